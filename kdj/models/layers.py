@@ -1,0 +1,175 @@
+"""Building blocks shared by every model: parameters with logical axes, norms, RoPE, attention.
+
+Every parameter is an `nnx.Param` carrying `axes=(logical names...)`; kdj/sharding maps those
+names to mesh axes in one place. Matmuls run in the parameter dtype; norms, softmax and RoPE
+angles in float32 (as the Hugging Face reference does).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kdj.config import ModelConfig
+
+NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax rather than NaN
+
+
+def param(rngs: nnx.Rngs, shape, axes, dtype, scale: float | None = None) -> nnx.Param:
+    """A normal(0, scale) parameter tagged with logical axis names (one per dim)."""
+    assert len(shape) == len(axes), (shape, axes)
+    scale = 1.0 / math.sqrt(shape[-2] if len(shape) >= 2 else 1) if scale is None else scale
+    value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value.astype(dtype), axes=tuple(axes))
+
+
+def ones(shape, axes, dtype) -> nnx.Param:
+    return nnx.Param(jnp.ones(shape, dtype), axes=tuple(axes))
+
+
+def zeros(shape, axes, dtype) -> nnx.Param:
+    return nnx.Param(jnp.zeros(shape, dtype), axes=tuple(axes))
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias); kernel is [in, out] (the transpose of torch's weight)."""
+
+    def __init__(self, d_in, d_out, axes, *, bias=False, dtype, rngs):
+        self.kernel = param(rngs, (d_in, d_out), axes, dtype)
+        self.bias = zeros((d_out,), axes[1:], dtype) if bias else None
+
+    def __call__(self, x):
+        y = x @ self.kernel[...]
+        return y if self.bias is None else y + self.bias[...]
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim, eps, *, dtype, axes=("norm",)):
+        self.weight = ones((dim,), axes, dtype)
+        self.eps = eps
+
+    def __call__(self, x):
+        dtype = x.dtype
+        x = x.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * x.astype(dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim, hidden, *, dtype, rngs, axes=("embed", "mlp")):
+        self.gate = Linear(dim, hidden, axes, dtype=dtype, rngs=rngs)
+        self.up = Linear(dim, hidden, axes, dtype=dtype, rngs=rngs)
+        self.down = Linear(hidden, dim, axes[::-1], dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+# ---------------------------------------------------------------------------------- RoPE
+@functools.lru_cache(maxsize=64)
+def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [rope_dim // 2] and the cos/sin amplitude, as HF computes them.
+
+    Handles plain RoPE, "linear", "llama3" and "yarn" (with mscale / mscale_all_dim).
+    """
+    dim, base = cfg.rope_dim, cfg.rope_theta
+    inv = 1.0 / base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+    rope = cfg.rope
+    if rope is None:
+        return inv.astype(np.float32), 1.0
+    kind = rope["rope_type"]
+    factor = float(rope.get("factor", 1.0))
+    if kind == "linear":
+        return (inv / factor).astype(np.float32), 1.0
+    if kind == "llama3":
+        low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+        old = rope["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        mid = (wavelen >= old / high) & (wavelen <= old / low)
+        scaled = np.where(mid, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+        return scaled.astype(np.float32), 1.0
+    # YaRN: interpolate low frequencies, keep high ones, linear ramp in between.
+    orig = rope.get("original_max_position_embeddings", cfg.max_position_embeddings)
+    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    lo, hi = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    hi = hi + 0.001 if lo == hi else hi
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - lo) / (hi - lo), 0, 1)
+    extrapolate = 1 - ramp
+    inv = (inv / factor) * (1 - extrapolate) + inv * extrapolate
+
+    def get_mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    amp = rope.get("attention_factor")
+    if amp is None:
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        amp = (
+            get_mscale(factor, m) / get_mscale(factor, m_all) if m and m_all else get_mscale(factor)
+        )
+    return inv.astype(np.float32), float(amp)
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+    """Attention logit scale; MLA with YaRN multiplies by mscale(factor, mscale_all_dim)^2."""
+    if cfg.family != "deepseek":
+        return cfg.head_dim**-0.5
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    rope = cfg.rope
+    if rope and rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
+        factor = rope["factor"]
+        m = 1.0 if factor <= 1 else 0.1 * rope["mscale_all_dim"] * math.log(factor) + 1.0
+        scale *= m * m
+    return scale
+
+
+def apply_rope(x, positions, inv_freq, amplitude: float, interleaved: bool):
+    """Rotate x [B, T, H, D] by angles positions[B, T] * inv_freq[D/2].
+
+    Half-split layout (HF Llama/Qwen) pairs dim i with i + D/2. Interleaved layout (DeepSeek MLA)
+    pairs 2i with 2i+1 and returns the result de-interleaved ([evens ; odds]) as HF does; q and k
+    are rotated the same way, so dot products are unchanged.
+    """
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
+    cos = (jnp.cos(angles) * amplitude)[:, :, None, :]
+    sin = (jnp.sin(angles) * amplitude)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    if interleaved:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = xf[..., :half], xf[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- attention
+def attend(q, k, v, mask, scale: float):
+    """Masked attention, the XLA reference used on CPU and as the kernels' oracle.
+
+    q [B, T, H, Dk]; k [B, S, KVH, Dk]; v [B, S, KVH, Dv]; mask [B, T, S] bool (True = visible).
+    H is a multiple of KVH (GQA; MLA's absorbed form is KVH = 1). Returns [B, T, H, Dv].
+    """
+    B, T, H, Dk = q.shape
+    KVH = k.shape[2]
+    q = q.reshape(B, T, KVH, H // KVH, Dk)
+    s = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(mask[:, None, None], s, NEG_INF)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    o = jnp.einsum("bkgts,bskd->btkgd", p, v)
+    return o.reshape(B, T, H, v.shape[-1])

