@@ -75,8 +75,9 @@ TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end
 # llama.cpp pre-tokenizer names whose split is "each \p{N} alone, then the GPT-2 regex".
 _GGUF_DIGIT_SPLIT_PRES = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"}
 
-# Python's isspace() is true for these separators, but no tokenizer treats them as whitespace.
-_NOT_SPACE = "\x1c\x1d\x1e\x1f"
+# Code points a tokenizer may absorb without a token of their own: Unicode whitespace (the
+# U+001C..U+001F separators are isspace() in Python but not whitespace to tokenizers).
+_SPACES = np.array([c for c in range(0x3001) if chr(c).isspace() and not 0x1C <= c <= 0x1F])
 
 Messages = Sequence[dict[str, Any]]
 
@@ -145,12 +146,14 @@ def _check_covered(text: str, offsets: list[tuple[int, int]], origin: str) -> No
     covered = np.cumsum(delta[:-1]) > 0
     if covered.all():
         return
-    for i in np.flatnonzero(~covered):
-        if not (text[i].isspace() and text[i] not in _NOT_SPACE):
-            raise ValueError(
-                f"tokenizer {origin} cannot encode character {text[i]!r} at position {i} "
-                f"(context {text[max(0, i - 10) : i + 10]!r}): it would be dropped"
-            )
+    codepoints = np.frombuffer(text.encode("utf-32-le"), np.uint32)
+    lost = np.flatnonzero(~covered & ~np.isin(codepoints, _SPACES))
+    if lost.size:
+        i = int(lost[0])
+        raise ValueError(
+            f"tokenizer {origin} cannot encode character {text[i]!r} at position {i} "
+            f"(context {text[max(0, i - 10) : i + 10]!r}): it would be dropped"
+        )
 
 
 # ----------------------------------------------------------------------------------- chat
@@ -338,15 +341,11 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def _side_files(folder: Path) -> tuple[dict[str, Any], str | None, list[int]]:
     """(tokenizer_config.json dict, chat template source, generation_config eos ids)."""
-    config = (
-        _read_json(folder / "tokenizer_config.json")
-        if (folder / "tokenizer_config.json").is_file()
-        else {}
-    )
+    config_path = folder / "tokenizer_config.json"
+    config = _read_json(config_path) if config_path.is_file() else {}
     template = config.get("chat_template")
-    if isinstance(
-        template, list
-    ):  # [{"name": "default", "template": ...}, {"name": "tool_use"...}]
+    # Some configs list named templates: [{"name": "default", "template": ...}, ...]
+    if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     if (folder / "chat_template.jinja").is_file():

