@@ -69,7 +69,7 @@ def bytes_per_step(target, batch: int, context: int) -> dict:
     dense, expert = 0, 0
     for path, var in flat:
         nbytes = var.get_value().nbytes
-        if path[-1] in ("w_gate", "w_up", "w_down"):
+        if path[-1] in ("w_gate_up", "w_down"):
             expert += nbytes
         elif path == ("embed",) and not cfg.tie_word_embeddings:
             continue  # an untied embedding table is only gathered, B rows
@@ -86,6 +86,16 @@ def bytes_per_step(target, batch: int, context: int) -> dict:
             "total": dense + expert * touched_frac + kv}  # fmt: skip
 
 
+def timed_runs(target, prompts, args) -> list[dict]:
+    """Compile run + `repeats` timed runs of one batch, from an empty executable cache."""
+    kdj.api._EXECUTABLES.clear()
+    runs = []
+    for _ in range(args.repeats + 1):
+        out = kdj.generate(target, prompts, method="ar", max_new_tokens=args.new, stop_tokens=[])
+        runs.append(out.stats)
+    return runs
+
+
 def run(args):
     dev = jax.devices()[0]
     bw = copy_bandwidth()
@@ -96,12 +106,7 @@ def run(args):
         for batch in args.batches:
             rng = np.random.default_rng(batch)
             prompts = rng.integers(0, target.cfg.vocab_size, (batch, args.prompt_len)).tolist()
-            runs = []
-            kdj.api._EXECUTABLES.clear()  # one model/batch's executables at a time
-            for _ in range(args.repeats + 1):  # first run compiles
-                out = kdj.generate(target, prompts, method="ar", max_new_tokens=args.new,
-                                   stop_tokens=[])  # fmt: skip
-                runs.append(out.stats)
+            runs = timed_runs(target, prompts, args)
             s = runs[1:]
             decode_s = statistics.median(r["decode_s"] for r in s)
             steps = s[0]["steps"]

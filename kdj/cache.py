@@ -1,9 +1,11 @@
 """Static KV caches: preallocated per batch slot, written by scatter, rolled back by length.
 
-One cache type serves both families. GQA layers store keys and values [B, S, KVH, D]. MLA
-layers store one stream [B, S, 1, kv_lora_rank + qk_rope_head_dim] (normalised latent ;
-rotated shared key = 576 values per token per layer for DeepSeek-V3) and no separate values:
-in the absorbed form the values are the latent, i.e. the first kv_lora_rank columns.
+One cache type serves both families. GQA layers store keys and values [B, S, KVH, D]
+(separate buffers: one interleaved [.., 2, D] buffer measured slower on the H200, because the
+attention matmuls then read strided copies). MLA layers store one stream
+[B, S, 1, kv_lora_rank + qk_rope_head_dim] (normalised latent ; rotated shared key = 576
+values per token per layer for DeepSeek-V3) and no separate values: in the absorbed form the
+values are the latent, i.e. the first kv_lora_rank columns.
 
 `lengths[b]` counts the committed tokens of sequence b. Entries at or beyond it may hold
 stale data (rejected drafts, prompt padding); attention masks them by position, and later

@@ -30,5 +30,6 @@ def test_expert_paths_match_dense_loop(fn, tokens):
     wd = rng.standard_normal((E, I, D)).astype(np.float32)
     idx = np.stack([rng.choice(E, k, replace=False) for _ in range(tokens)]).astype(np.int32)
     w = rng.random((tokens, k)).astype(np.float32)
-    got = np.asarray(fn(jnp.asarray(x), jnp.asarray(w), jnp.asarray(idx), wg, wu, wd))
+    wgu = np.stack([wg, wu], axis=2)  # [E, D, 2, I]
+    got = np.asarray(fn(jnp.asarray(x), jnp.asarray(w), jnp.asarray(idx), wgu, wd))
     np.testing.assert_allclose(got, dense_reference(x, w, idx, wg, wu, wd), rtol=2e-5, atol=2e-5)

@@ -21,10 +21,8 @@ from kdj.config import ModelConfig
 from kdj.models.transformer import Transformer, abstract_model
 from kdj.sharding import ShardingRules, named_sharding, single_device_rules
 
-_ATTN = {
-    "q_proj": ("q",), "k_proj": ("k",), "v_proj": ("v",), "o_proj": ("o",),
-    "q_a_proj": ("q_a",), "q_b_proj": ("q_b",), "kv_a_proj_with_mqa": ("kv_a",),
-}  # fmt: skip
+_MLA = {"q_proj": "q_proj", "q_a_proj": "q_a", "q_b_proj": "q_b", "kv_a_proj_with_mqa": "kv_a",
+        "o_proj": "o"}  # fmt: skip
 _NORMS = {
     "input_layernorm": ("attn_norm",),
     "post_attention_layernorm": ("mlp_norm",),
@@ -33,26 +31,47 @@ _NORMS = {
     "self_attn.q_a_layernorm": ("attn", "q_a_norm"),
     "self_attn.kv_a_layernorm": ("attn", "kv_a_norm"),
 }
-_MLP = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+ALL = np.index_exp[...]
+
+
+def _gqa_targets(proj: str, kind: str, x: np.ndarray, cfg: ModelConfig, pre: tuple):
+    """q/k/v go into slices of the fused [D, KVH, G + 2, hd] kernel (or its bias)."""
+    KVH, hd = cfg.num_kv_heads, cfg.head_dim
+    G = cfg.num_heads // KVH
+    slot = {"q_proj": slice(0, G), "k_proj": G, "v_proj": G + 1}[proj]
+    if kind == "weight":
+        w = x.T.reshape(x.shape[1], KVH, G, hd) if proj == "q_proj" else x.T.reshape(-1, KVH, hd)
+        return [(pre + ("attn", "qkv"), w, np.index_exp[:, :, slot])]
+    b = x.reshape(KVH, G, hd) if proj == "q_proj" else x.reshape(KVH, hd)
+    return [(pre + ("attn", "qkv_bias"), b, np.index_exp[:, slot])]
+
+
+def _mlp_targets(proj: str, x: np.ndarray, pre: tuple):
+    """gate/up go into the two halves of the fused [D, 2, I] kernel."""
+    if proj == "down_proj":
+        return [(pre + ("down", "kernel"), x.T, ALL)]
+    return [(pre + ("gate_up",), x.T, np.index_exp[:, 0 if proj == "gate_proj" else 1])]
 
 
 def hf_targets(name: str, x: np.ndarray, cfg: ModelConfig):
-    """Map one HF tensor to [(kdj param path, value, expert index or None), ...].
+    """Map one HF tensor to [(kdj param path, value, index into that param), ...].
 
-    Returns [] for tensors kdj deliberately ignores; raises for names it does not know.
+    `index` selects the part of the parameter the value fills (ALL, one expert, the q slice
+    of the fused qkv kernel, ...). Returns [] for tensors kdj deliberately ignores; raises
+    for names it does not know.
     """
     if name.startswith("language_model."):  # Kimi K2.5/K2.6 wrapper
         name = name[len("language_model.") :]
     if not name.startswith(("model.", "lm_head.")) or name.endswith("rotary_emb.inv_freq"):
         return []  # vision tower, projector, buffers
     if name == "model.embed_tokens.weight":
-        return [(("embed",), x, None)]
+        return [(("embed",), x, ALL)]
     if name == "model.norm.weight":
-        return [(("norm", "weight"), x, None)]
+        return [(("norm", "weight"), x, ALL)]
     if name == "lm_head.weight":
-        return [] if cfg.tie_word_embeddings else [(("lm_head", "kernel"), x.T, None)]
+        return [] if cfg.tie_word_embeddings else [(("lm_head", "kernel"), x.T, ALL)]
     m = _LAYER.fullmatch(name)
     if m is None:
         raise ValueError(f"unexpected tensor {name!r} for a {cfg.model_type} model")
@@ -61,45 +80,50 @@ def hf_targets(name: str, x: np.ndarray, cfg: ModelConfig):
         return []  # DeepSeek-V3's multi-token-prediction layer(s) after the main stack
     pre = ("layers", i)
     if rest.endswith(".weight") and rest[: -len(".weight")] in _NORMS:
-        return [(pre + _NORMS[rest[: -len(".weight")]] + ("weight",), x, None)]
+        return [(pre + _NORMS[rest[: -len(".weight")]] + ("weight",), x, ALL)]
     if rest.startswith("self_attn."):
         proj, _, kind = rest[len("self_attn.") :].rpartition(".")
-        if proj == "kv_b_proj" and kind == "weight":
-            H, N = cfg.num_heads, cfg.qk_nope_head_dim
-            w = np.asarray(x).reshape(H, N + cfg.v_head_dim, cfg.kv_lora_rank)
-            return [
-                (pre + ("attn", "w_uk"), w[:, :N], None),
-                (pre + ("attn", "w_uv"), w[:, N:], None),
-            ]
-        if proj in _ATTN and kind in ("weight", "bias"):
-            if proj == "q_proj" and cfg.family == "deepseek":
-                path = ("q_proj",)
-            else:
-                path = _ATTN[proj]
-            value = x.T if kind == "weight" else x
-            return [
-                (pre + ("attn",) + path + ("kernel" if kind == "weight" else "bias",), value, None)
-            ]
+        if kind in ("weight", "bias"):
+            if cfg.family == "llama" and proj in ("q_proj", "k_proj", "v_proj"):
+                return _gqa_targets(proj, kind, x, cfg, pre)
+            if cfg.family == "llama" and proj == "o_proj":
+                return [
+                    (
+                        pre + ("attn", "o", "kernel" if kind == "weight" else "bias"),
+                        x.T if kind == "weight" else x,
+                        ALL,
+                    )
+                ]
+            if proj == "kv_b_proj" and kind == "weight":
+                H, N = cfg.num_heads, cfg.qk_nope_head_dim
+                w = np.asarray(x).reshape(H, N + cfg.v_head_dim, cfg.kv_lora_rank)
+                return [
+                    (pre + ("attn", "w_uk"), w[:, :N], ALL),
+                    (pre + ("attn", "w_uv"), w[:, N:], ALL),
+                ]
+            if cfg.family == "deepseek" and proj in _MLA and kind == "weight":
+                return [(pre + ("attn", _MLA[proj], "kernel"), x.T, ALL)]
     if rest == "mlp.gate.weight":
-        return [(pre + ("mlp", "router"), x.T, None)]
+        return [(pre + ("mlp", "router"), x.T, ALL)]
     if rest == "mlp.gate.e_score_correction_bias":
-        return [(pre + ("mlp", "bias"), x, None)] if cfg.topk_method == "noaux_tc" else []
+        return [(pre + ("mlp", "bias"), x, ALL)] if cfg.topk_method == "noaux_tc" else []
     m = _EXPERT.fullmatch(rest)
     if m is not None:
-        return [(pre + ("mlp", "w_" + m.group(2)), x.T, int(m.group(1)))]
+        e, proj = int(m.group(1)), m.group(2)
+        if proj == "down":
+            return [(pre + ("mlp", "w_down"), x.T, np.index_exp[e])]
+        return [(pre + ("mlp", "w_gate_up"), x.T, np.index_exp[e, :, 0 if proj == "gate" else 1])]
     if rest == "mlp.experts.gate_up_proj":  # transformers-v5 fused layout [E, 2I, D]
-        I = cfg.moe_intermediate_size
-        return [
-            (pre + ("mlp", "w_gate"), np.swapaxes(x[:, :I], 1, 2), None),
-            (pre + ("mlp", "w_up"), np.swapaxes(x[:, I:], 1, 2), None),
-        ]
+        E, _, D = x.shape
+        w = np.swapaxes(x, 1, 2).reshape(E, D, 2, -1)
+        return [(pre + ("mlp", "w_gate_up"), w, ALL)]
     if rest == "mlp.experts.down_proj":  # [E, D, I]
-        return [(pre + ("mlp", "w_down"), np.swapaxes(x, 1, 2), None)]
+        return [(pre + ("mlp", "w_down"), np.swapaxes(x, 1, 2), ALL)]
     for prefix, sub in (("mlp.shared_experts.", ("mlp", "shared")), ("mlp.", ("mlp",))):
         if rest.startswith(prefix) and rest.endswith(".weight"):
             proj = rest[len(prefix) : -len(".weight")]
-            if proj in _MLP:
-                return [(pre + sub + (_MLP[proj], "kernel"), x.T, None)]
+            if proj in ("gate_proj", "up_proj", "down_proj"):
+                return _mlp_targets(proj, x, pre + sub)
     raise ValueError(f"unexpected tensor {name!r} for a {cfg.model_type} model")
 
 
@@ -118,41 +142,43 @@ def load_params(
     graphdef, state = nnx.split(abstract_model(cfg, jnp.dtype(dtype)))
     slots = dict(nnx.to_flat_state(state))
     filled: set[tuple] = set()
-    experts: dict[tuple, tuple[np.ndarray, set[int]]] = {}
+    partial: dict[tuple, tuple[np.ndarray, int]] = {}  # path -> (host buffer, elements written)
 
     def put(path, value):
         var = slots[path]
         target = var.get_value()
-        if value.shape != target.shape:
-            raise ValueError(
-                f"tensor shape mismatch for {'.'.join(map(str, path))}: checkpoint has "
-                f"{value.shape}, the model config expects {target.shape}"
-            )
         sharding = named_sharding(mesh, rules, var.get_metadata()["axes"])
         arr = np.asarray(value, dtype=target.dtype)
         var.set_value(jax.device_put(arr, sharding) if sharding else jnp.asarray(arr))
         filled.add(path)
 
     for name, x in tqdm(tensors, total=total, desc=desc, unit="tensor", leave=False):
-        for path, value, expert in hf_targets(name, x, cfg):
+        for path, value, index in hf_targets(name, x, cfg):
             if path not in slots:
                 raise ValueError(
-                    f"tensor {name!r} has no place in a {cfg.model_type} model "
-                    f"with this config (looked for {'.'.join(map(str, path))})"
+                    f"tensor {name!r} has no place in a {cfg.model_type} model with this "
+                    f"config (looked for {'.'.join(map(str, path))})"
                 )
-            if expert is None:
+            target = slots[path].get_value()
+            want = np.broadcast_to(np.empty((), bool), target.shape)[index].shape  # no copy
+            if value.shape != want:
+                raise ValueError(
+                    f"tensor shape mismatch for {name} -> {'.'.join(map(str, path))}: checkpoint "
+                    f"has {value.shape}, the model config expects {want}"
+                )
+            if index is ALL:
                 put(path, value)
                 continue
-            # Per-expert tensors are gathered into one host buffer per layer, then placed.
-            shape = slots[path].get_value().shape
-            buf, seen = experts.setdefault(path, (np.zeros(shape, np.float32), set()))
-            if value.shape != shape[1:]:
-                raise ValueError(f"tensor shape mismatch for {name}: {value.shape} vs {shape[1:]}")
-            buf[expert] = value
-            seen.add(expert)
-            if len(seen) == shape[0]:
+            # Parts of one parameter (experts, fused q/k/v, gate/up) gather in a host buffer
+            # of the parameter's dtype, placed on device once every element is written.
+            buf, done = partial.get(path) or (np.zeros(target.shape, target.dtype), 0)
+            buf[index] = value
+            done += value.size
+            if done == buf.size:
                 put(path, buf)
-                del experts[path]
+                partial.pop(path, None)
+            else:
+                partial[path] = (buf, done)
     missing = [".".join(map(str, p)) for p in slots if p not in filled]
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""

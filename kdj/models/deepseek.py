@@ -49,7 +49,8 @@ class MLAAttention(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x, positions, k_cache, v_cache, mask):
-        """x [B, T, D]; k_cache [B, S, 1, C + R] (v_cache unused, None); mask [B, T, S]."""
+        """x [B, T, D] at positions [B, T]; k_cache [B, S, 1, C + R] (v_cache unused, None);
+        mask [B, T, S]. Returns (out [B, T, D], k_cache, v_cache)."""
         cfg = self.cfg
         B, T, _ = x.shape
         H, C, N = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim
@@ -101,27 +102,27 @@ def route(x, router, bias, cfg: ModelConfig):
     return w * cfg.routed_scaling_factor, idx.astype(jnp.int32)
 
 
-def expert_swiglu(x, weights, idx, w_gate, w_up, w_down):
+def expert_swiglu(x, weights, idx, w_gate_up, w_down):
     """Routed expert compute with tokens grouped by expert (jax.lax.ragged_dot).
 
-    x [N, D]; weights/idx [N, k]; w_gate/w_up [E, D, I]; w_down [E, I, D]. Returns [N, D].
+    x [N, D]; weights/idx [N, k]; w_gate_up [E, D, 2, I]; w_down [E, I, D]. Returns [N, D].
     This is the XLA reference path; only experts with tokens get rows in each group.
     """
     N, k = idx.shape
-    E = w_gate.shape[0]
+    E, D, _, I = w_gate_up.shape
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token = order // k
     group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
     xs = x[token]
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes))
-    h = h * jax.lax.ragged_dot(xs, w_up, group_sizes)
+    h = jax.lax.ragged_dot(xs, w_gate_up.reshape(E, D, 2 * I), group_sizes).reshape(-1, 2, I)
+    h = jax.nn.silu(h[:, 0]) * h[:, 1]
     y = jax.lax.ragged_dot(h.astype(x.dtype), w_down, group_sizes)
     y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
     return jnp.zeros_like(x).at[token].add(y.astype(x.dtype))
 
 
-def expert_swiglu_gathered(x, weights, idx, w_gate, w_up, w_down):
+def expert_swiglu_gathered(x, weights, idx, w_gate_up, w_down):
     """Routed expert compute for a handful of tokens: gather each assignment's expert weights.
 
     Same contract as `expert_swiglu`. Reads only the N * k selected experts (duplicates
@@ -130,8 +131,8 @@ def expert_swiglu_gathered(x, weights, idx, w_gate, w_up, w_down):
     N, k = idx.shape
     flat = idx.reshape(-1)
     xs = jnp.repeat(x, k, axis=0)  # [N*k, D], assignment j belongs to token j // k
-    h = jax.nn.silu(jnp.einsum("nd,ndi->ni", xs, w_gate[flat]))
-    h = h * jnp.einsum("nd,ndi->ni", xs, w_up[flat])
+    h = jnp.einsum("nd,ndci->nci", xs, w_gate_up[flat])
+    h = jax.nn.silu(h[:, 0]) * h[:, 1]
     y = jnp.einsum("ni,nid->nd", h.astype(x.dtype), w_down[flat])
     y = y.reshape(N, k, -1) * weights[..., None].astype(y.dtype)
     return y.sum(1).astype(x.dtype)
@@ -149,8 +150,7 @@ class MoE(nnx.Module):
         D, E, I = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
         self.router = param(rngs, (D, E), ("embed", None), jnp.float32)
         self.bias = zeros((E,), (None,), jnp.float32) if cfg.topk_method == "noaux_tc" else None
-        self.w_gate = param(rngs, (E, D, I), ("experts", "embed", "moe_mlp"), dtype)
-        self.w_up = param(rngs, (E, D, I), ("experts", "embed", "moe_mlp"), dtype)
+        self.w_gate_up = param(rngs, (E, D, 2, I), ("experts", "embed", None, "moe_mlp"), dtype)
         self.w_down = param(rngs, (E, I, D), ("experts", "moe_mlp", "embed"), dtype)
         n_shared = cfg.n_shared_experts
         self.shared = MLP(D, I * n_shared, dtype=dtype, rngs=rngs) if n_shared else None
@@ -164,6 +164,6 @@ class MoE(nnx.Module):
         E, k = self.cfg.n_routed_experts, self.cfg.num_experts_per_tok
         few = B * T * k <= GATHER_MAX_ASSIGNMENTS_PER_EXPERT * E  # static: decided at trace time
         experts = expert_swiglu_gathered if few else expert_swiglu
-        out = experts(flat, w, idx, self.w_gate[...], self.w_up[...], self.w_down[...])
+        out = experts(flat, w, idx, self.w_gate_up[...], self.w_down[...])
         out = out.reshape(B, T, D)
         return out if self.shared is None else out + self.shared(x)

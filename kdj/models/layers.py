@@ -61,15 +61,19 @@ class RMSNorm(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
 
-    def __init__(self, dim, hidden, *, dtype, rngs, axes=("embed", "mlp")):
-        self.gate = Linear(dim, hidden, axes, dtype=dtype, rngs=rngs)
-        self.up = Linear(dim, hidden, axes, dtype=dtype, rngs=rngs)
-        self.down = Linear(hidden, dim, axes[::-1], dtype=dtype, rngs=rngs)
+    gate and up share one [D, 2, I] kernel so they are one matmul: at decode sizes the step
+    is launch-bound, and one wide GEMM also streams the weights faster than two narrow ones.
+    """
+
+    def __init__(self, dim, hidden, *, dtype, rngs):
+        self.gate_up = param(rngs, (dim, 2, hidden), ("embed", None, "mlp"), dtype)
+        self.down = Linear(hidden, dim, ("mlp", "embed"), dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        h = jnp.einsum("...d,dci->...ci", x, self.gate_up[...])
+        return self.down(jax.nn.silu(h[..., 0, :]) * h[..., 1, :])
 
 
 # ---------------------------------------------------------------------------------- RoPE

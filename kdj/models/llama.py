@@ -2,25 +2,36 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from flax import nnx
 
 from kdj import cache as kvc
 from kdj.config import ModelConfig
-from kdj.models.layers import Linear, RMSNorm, apply_rope, attend, rope_frequencies, softmax_scale
+from kdj.models.layers import (
+    Linear,
+    RMSNorm,
+    apply_rope,
+    attend,
+    param,
+    rope_frequencies,
+    softmax_scale,
+    zeros,
+)
 
 
 class GQAAttention(nnx.Module):
-    """q/k/v projections (optional bias, optional per-head q/k RMSNorm), half-split RoPE."""
+    """Fused q/k/v projection (optional bias, optional per-head q/k RMSNorm), half-split RoPE.
+
+    The qkv kernel is [D, KVH, G + 2, hd]: for each KV head, its G query heads, then its key,
+    then its value (HF query head h = kv_head * G + g). One matmul instead of three, and
+    sharding the KV-head axis keeps every query head next to the K/V it reads.
+    """
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs):
         D, H, KVH, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q = Linear(D, H * hd, ("embed", "q_heads"), bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
-        self.k = Linear(
-            D, KVH * hd, ("embed", "kv_heads"), bias=cfg.qkv_bias, dtype=dtype, rngs=rngs
-        )
-        self.v = Linear(
-            D, KVH * hd, ("embed", "kv_heads"), bias=cfg.qkv_bias, dtype=dtype, rngs=rngs
-        )
+        axes = ("embed", "kv_heads", None, "head_dim")
+        self.qkv = param(rngs, (D, KVH, H // KVH + 2, hd), axes, dtype)
+        self.qkv_bias = zeros((KVH, H // KVH + 2, hd), axes[1:], dtype) if cfg.qkv_bias else None
         self.o = Linear(H * hd, D, ("q_heads", "embed"), bias=cfg.o_bias, dtype=dtype, rngs=rngs)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype, axes=("head_dim",))
@@ -30,14 +41,18 @@ class GQAAttention(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x, positions, k_cache, v_cache, mask):
-        """x [B, T, D] at positions [B, T]; writes K/V at those positions; mask [B, T, S]."""
+        """x [B, T, D] at positions [B, T]; writes K/V into the caches [B, S, KVH, hd] at those
+        positions; mask [B, T, S]. Returns (out [B, T, D], k_cache, v_cache)."""
         B, T, _ = x.shape
         cfg = self.cfg
         H, KVH, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        G = H // KVH
         inv_freq, amp = rope_frequencies(cfg)
-        q = self.q(x).reshape(B, T, H, hd)
-        k = self.k(x).reshape(B, T, KVH, hd)
-        v = self.v(x).reshape(B, T, KVH, hd)
+        qkv = jnp.einsum("btd,dkgh->btkgh", x, self.qkv[...])
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias[...]
+        q = qkv[:, :, :, :G].reshape(B, T, H, hd)
+        k, v = qkv[:, :, :, G], qkv[:, :, :, G + 1]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, positions, inv_freq, amp, interleaved=False)
