@@ -297,13 +297,26 @@ def forward(target: Target, token_ids) -> np.ndarray:
         raise ValueError("forward needs at least one token")
     if arr.min() < 0 or arr.max() >= target.cfg.vocab_size:
         raise ValueError(f"token id outside the vocabulary [0, {target.cfg.vocab_size})")
-    return np.asarray(_forward(target.graphdef, target.state, jnp.asarray(arr, jnp.int32)))
+    return np.asarray(_forward(target.graphdef, target.state, jnp.asarray(arr, jnp.int32))[0])
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _forward(graphdef, state, tokens):
+def hidden_states(target: Target, token_ids, layers) -> np.ndarray:
+    """Output hidden states of the given decoder layers, [B, T, len(layers), D] float32
+    (HF `hidden_states[id + 1]`), from one full-sequence pass with no cache reuse."""
+    arr = np.asarray(token_ids, np.int32).reshape(-1, np.shape(token_ids)[-1])
+    taps = tuple(int(i) for i in layers)
+    if any(not 0 <= i < target.cfg.num_layers for i in taps):
+        raise ValueError(f"layer ids {taps} outside [0, {target.cfg.num_layers})")
+    out = _forward(target.graphdef, target.state, jnp.asarray(arr), taps=taps)[1]
+    return np.asarray(out, np.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "taps"))
+def _forward(graphdef, state, tokens, taps=()):
+    """Full-sequence pass from an empty cache: (logits [B, T, V], taps [B, T, K, D] or None)."""
     model = nnx.merge(graphdef, state)
     B, T = tokens.shape
     cache = init_cache(model.cfg, B, T, model.embed[...].dtype)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    return model(tokens, positions, cache)[0]
+    logits, _, tapped = model(tokens, positions, cache, taps=taps)
+    return logits, tapped

@@ -109,3 +109,35 @@ def test_stats(target):
     assert s["new_tokens"] == 16 and s["steps"] == 7 and s["mean_acceptance"] == 1.0
     assert s["prefill_s"] > 0 and s["decode_s"] > 0 and s["tokens_per_s"] > 0
     assert [len(a) for a in s["acceptance_lengths"]] == [7, 7]
+
+
+def test_rollback_by_length(target):
+    """Entries beyond a sequence's length are dead: prefill [prompt + junk], roll the length
+    back to the prompt, decode, and get exactly what decoding the prompt alone gives."""
+    import jax
+    import jax.numpy as jnp
+
+    from kdj.cache import init_cache
+    from kdj.decode import autoregressive as ar
+
+    prompt, junk = [3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5]
+    clean = kdj.generate(target, [prompt], method="ar", max_new_tokens=8, stop_tokens=[])
+    cfg, key = target.cfg, jax.random.key(0)
+    cache = init_cache(cfg, 1, 64, target.dtype)
+    tokens = jnp.asarray([prompt + junk], jnp.int32)
+    args = (key, jnp.float32(1.0), jnp.float32(1.0))
+    _, cache = ar.prefill_and_sample(
+        target.graphdef, target.state, tokens, jnp.asarray([len(prompt + junk)]), cache, *args,
+        greedy=True,
+    )  # fmt: skip
+    cache = cache.with_lengths(jnp.asarray([len(prompt) - 1]))  # keep prompt[:-1] only
+    # re-feed the prompt's last token on top of the rolled-back cache, then decode
+    logits, cache, _ = target.model(tokens[:, len(prompt) - 1 : len(prompt)],
+                                    cache.lengths[:, None], cache)  # fmt: skip
+    cache = cache.with_lengths(cache.lengths + 1)
+    first = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
+    out, n, _, _ = ar.decode_loop(
+        target.graphdef, target.state, cache, first, jnp.asarray([8]), jnp.asarray([[-1]]), *args,
+        greedy=True, max_steps=8,
+    )  # fmt: skip
+    assert np.asarray(out)[0, : int(n[0])].tolist() == clean.tokens[0]

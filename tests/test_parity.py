@@ -66,3 +66,17 @@ def test_batched_ragged_greedy_matches_hf(pair):
     out = kdj.generate(target, prompts, method="ar", max_new_tokens=NEW, stop_tokens=[])
     for p, got in zip(prompts, out.tokens):
         assert got == hf_greedy(hf, p, NEW), name
+
+
+def test_tapped_hidden_states_match_hf(pair):
+    """Any layer's output hidden state comes back with the logits (DFlash's context features):
+    kdj tap i == HF hidden_states[i + 1], from the same single forward pass."""
+    _, hf, target = pair
+    ids = np.arange(12)[None] % target.cfg.vocab_size
+    taps = tuple(range(target.cfg.num_layers - 1))  # the last one is HF's post-norm output
+    with torch.no_grad():
+        ref = hf(torch.from_numpy(ids), output_hidden_states=True).hidden_states
+    ours = kdj.api.hidden_states(target, ids, taps)
+    for j, i in enumerate(taps):
+        want = ref[i + 1][0].numpy()
+        assert np.abs(ours[0, :, j] - want).max() <= LOGIT_RTOL * np.abs(want).max()
