@@ -1,10 +1,11 @@
 """kdj: speculative decoding (DFlash, DDTree) for MoE and dense LLMs in JAX + Flax."""
 
-from kdj.api import Target, forward, generate, load_drafter, load_target
+from kdj.api import Drafter, Target, forward, generate, load_drafter, load_target
 from kdj.config import ModelConfig
 from kdj.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
+    "Drafter",
     "ModelConfig",
     "Target",
     "Tokenizer",

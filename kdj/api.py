@@ -16,6 +16,8 @@ from flax import nnx
 from kdj.cache import init_cache
 from kdj.config import ModelConfig
 from kdj.decode import autoregressive as ar
+from kdj.decode import dflash
+from kdj.models.drafter import DrafterConfig
 from kdj.tokenizer import Tokenizer, load_tokenizer
 
 BUILTIN_TARGETS = ("smollm2-135m-instruct",)
@@ -101,31 +103,94 @@ def load_target(source, dtype="bfloat16", mesh=None) -> Target:
     return Target.from_model(model, name=path.name, tokenizer=tokenizer, mesh=mesh)
 
 
-def load_drafter(source, target: Target | None = None):
-    raise NotImplementedError("DFlash drafters arrive with the DFlash issue; use method='ar'")
+@dataclasses.dataclass
+class Drafter:
+    """A loaded DFlash drafter: config, NNX graph + params."""
+
+    cfg: DrafterConfig
+    graphdef: Any
+    state: Any
+    name: str = ""
+
+    @property
+    def model(self):
+        return nnx.merge(self.graphdef, self.state)
+
+    @staticmethod
+    def from_model(model, name="") -> Drafter:
+        graphdef, state = nnx.split(model)
+        return Drafter(model.cfg, graphdef, state, name)
+
+    def save(self, path) -> Path:
+        """Write the published DFlash checkpoint format (config.json + model.safetensors)."""
+        from kdj.checkpoints.dflash import save_drafter
+
+        return save_drafter(self.model, path)
+
+
+def load_drafter(source, target: Target | None = None, dtype=None, mesh=None) -> Drafter:
+    """Load a DFlash drafter (published checkpoint format). With `target`, check the pair fits
+    (hidden size, vocabulary, feature layers) and use the target's dtype."""
+    from kdj.checkpoints.dflash import load_drafter_checkpoint
+
+    dtype = jnp.dtype(dtype or (target.dtype if target is not None else "bfloat16"))
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"drafter {str(source)!r} not found (give a DFlash checkpoint dir)")
+    drafter = Drafter.from_model(load_drafter_checkpoint(path, dtype, mesh), name=path.name)
+    if target is not None:
+        _check_pair(target, drafter, None)
+    return drafter
+
+
+def _check_pair(target: Target, drafter: Drafter, block_size) -> int:
+    """Raise if drafter and target do not fit together; return the block size to run."""
+    t, d = target.cfg, drafter.cfg
+    if d.layers.hidden_size != t.hidden_size:
+        raise ValueError(
+            f"drafter hidden size {d.layers.hidden_size} does not match the target's "
+            f"{t.hidden_size}: this drafter was made for another target"
+        )
+    if d.layers.vocab_size not in (0, t.vocab_size):
+        raise ValueError(
+            f"drafter vocabulary {d.layers.vocab_size} does not match the target's {t.vocab_size}"
+        )
+    if d.num_target_layers > 0 and d.num_target_layers != t.num_layers:
+        raise ValueError(
+            f"drafter was made for a target with {d.num_target_layers} layers; this target has "
+            f"{t.num_layers}"
+        )
+    bad = [i for i in d.target_layer_ids if not 0 <= i < t.num_layers]
+    if bad:
+        raise ValueError(
+            f"drafter target_layer_ids {list(d.target_layer_ids)} reach outside the target's "
+            f"{t.num_layers} layers"
+        )
+    if not 0 <= d.mask_token_id < t.vocab_size:
+        raise ValueError(f"drafter mask_token_id {d.mask_token_id} outside the target vocabulary")
+    k = d.block_size if block_size is None else int(block_size)
+    if not 2 <= k <= d.block_size:
+        raise ValueError(f"block_size must be in [2, {d.block_size}] for this drafter (got {k})")
+    return k
 
 
 # ---------------------------------------------------------------------------- inference
 _EXECUTABLES: dict = {}  # (function, graphdef, argument signature, statics) -> compiled
 
 
-def _compiled(fn, graphdef, *args, **static):
+def _compiled(fn, *args, **static):
     """Ahead-of-time compile `fn` once per signature, so generate() can report compile time
-    apart from prefill/decode time and repeated calls reuse the executable."""
+    apart from prefill/decode time and repeated calls reuse the executable. Arguments that
+    are not arrays (NNX graph definitions) are static and part of the signature."""
 
     def sig(x):
-        return (x.shape, x.dtype, getattr(x, "sharding", None))
+        return (x.shape, x.dtype, getattr(x, "sharding", None)) if hasattr(x, "shape") else x
 
-    key = (
-        fn,
-        graphdef,
-        tuple(sig(x) for x in jax.tree.leaves(args)),
-        tuple(sorted(static.items())),
-    )
+    key = (fn, tuple(sig(x) for x in jax.tree.leaves(args)), tuple(sorted(static.items())))
     if key not in _EXECUTABLES:
         if len(_EXECUTABLES) >= 32:
             _EXECUTABLES.pop(next(iter(_EXECUTABLES)))
-        _EXECUTABLES[key] = fn.lower(graphdef, *args, **static).compile()
+        _EXECUTABLES[key] = fn.lower(*args, **static).compile()
     return _EXECUTABLES[key]
 
 
@@ -204,8 +269,12 @@ def generate(
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
     if method == "auto":
         method = "ar" if drafter is None else "dflash"
-    if method != "ar":
-        raise NotImplementedError(f"method {method!r} arrives with its own issue; use 'ar'")
+    if method == "ddtree":
+        raise NotImplementedError("method 'ddtree' arrives with its own issue; use 'dflash'")
+    if method == "dflash" and drafter is None:
+        raise ValueError("method 'dflash' needs a drafter (kdj.load_drafter)")
+    if method == "dflash":
+        block_size = _check_pair(target, drafter, block_size)
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1 (got {temperature}, {top_p})")
     tokenizer = tokenizer or target.tokenizer
@@ -235,55 +304,96 @@ def generate(
     tokens = np.zeros((B, P), np.int32)
     for i, p in enumerate(ids):
         tokens[i, : len(p)] = p
-    greedy = temperature == 0.0
-    key = jax.random.key(seed)
-    temp = jnp.float32(max(temperature, 1e-6))
-    topp = jnp.float32(top_p)
-    max_steps = max(max_new)
-    cache = init_cache(target.cfg, B, capacity, target.dtype)
-    args = (jnp.asarray(tokens), jnp.asarray(lens, jnp.int32))
-
-    t0 = time.perf_counter()
-    pre = _compiled(
-        ar.prefill_and_sample, target.graphdef, target.state, *args, cache, key, temp, topp,
-        greedy=greedy,
-    )  # fmt: skip
-    first_shape = jax.ShapeDtypeStruct((B,), jnp.int32)
-    dec = _compiled(
-        ar.decode_loop, target.graphdef, target.state, cache, first_shape,
-        jnp.asarray(max_new, jnp.int32), stop, key, temp, topp, greedy=greedy, max_steps=max_steps,
-    )  # fmt: skip
-    t1 = time.perf_counter()
-    first, cache = pre(target.state, *args, cache, key, temp, topp)
-    first.block_until_ready()
-    t2 = time.perf_counter()
-    out, n_out, steps, cache = dec(
-        target.state, cache, first, jnp.asarray(max_new, jnp.int32), stop, key, temp, topp
+    sampling = dict(
+        key=jax.random.key(seed),
+        temperature=jnp.float32(max(temperature, 1e-6)),
+        top_p=jnp.float32(top_p),
     )
-    out, n_out, steps = np.asarray(out), np.asarray(n_out), int(steps)
-    t3 = time.perf_counter()
+    run = _run_ar if method == "ar" else functools.partial(_run_dflash, drafter, block_size)
+    res = run(target, jnp.asarray(tokens), jnp.asarray(lens, jnp.int32), capacity,
+              jnp.asarray(max_new, jnp.int32), stop, sampling, temperature == 0.0)  # fmt: skip
 
-    toks = [out[b, : n_out[b]].tolist() for b in range(B)]
+    n_out = res["n_out"]
+    toks = [res["out"][b, : n_out[b]].tolist() for b in range(B)]
     texts = None
     if tokenizer is not None:
         stops = set(default_stop) if stop_tokens is None else set(stop.ravel().tolist())
         texts = [tokenizer.decode([t for t in seq if t not in stops]) for seq in toks]
     new = int(n_out.sum())
-    decode_s = t3 - t2
+    # taus[b]: tokens committed per decode step while sequence b was running
+    taus = [[int(t) for t in row if t > 0] for row in res["taus"]]
+    flat = [t for row in taus for t in row]
+    decode_s = res["decode_s"]
     stats = {
-        "method": "ar",
+        "method": method,
         "batch": B,
-        "steps": steps,
+        "steps": res["steps"],
         "new_tokens": new,
-        "acceptance_lengths": [[1] * int(n - 1) for n in n_out],  # AR: one token per step
-        "mean_acceptance": 1.0,
-        "compile_s": t1 - t0,
-        "prefill_s": t2 - t1,
+        "acceptance_lengths": taus,
+        "mean_acceptance": float(np.mean(flat)) if flat else float("nan"),
+        "acceptance_histogram": np.bincount(flat, minlength=2)[1:].tolist() if flat else [],
+        "compile_s": res["compile_s"],
+        "prefill_s": res["prefill_s"],
         "decode_s": decode_s,
         # the first token of each sequence comes from prefill; decode produced the rest
         "tokens_per_s": (new - B) / decode_s if decode_s > 0 else float("nan"),
     }
+    if method == "dflash":
+        stats["block_size"] = block_size
     return GenerateOutput(tokens=toks, texts=texts, stats=stats)
+
+
+def _timed(prefill, decode):
+    """Run prefill() then decode(prefill result) with device syncs between; returns
+    (decode outputs as numpy, prefill seconds, decode seconds)."""
+    t0 = time.perf_counter()
+    pre = jax.block_until_ready(prefill())
+    t1 = time.perf_counter()
+    out = jax.tree.map(np.asarray, decode(pre))
+    return out, t1 - t0, time.perf_counter() - t1
+
+
+def _run_ar(target, tokens, lens, capacity, max_new, stop, sampling, greedy):
+    key, temp, topp = sampling["key"], sampling["temperature"], sampling["top_p"]
+    B = tokens.shape[0]
+    cache = init_cache(target.cfg, B, capacity, target.dtype)
+    t0 = time.perf_counter()
+    pre = _compiled(ar.prefill_and_sample, target.graphdef, target.state, tokens, lens, cache,
+                    key, temp, topp, greedy=greedy)  # fmt: skip
+    first_shape = jax.ShapeDtypeStruct((B,), jnp.int32)
+    dec = _compiled(ar.decode_loop, target.graphdef, target.state, cache, first_shape, max_new,
+                    stop, key, temp, topp, greedy=greedy, max_steps=int(max_new.max()))  # fmt: skip
+    compile_s = time.perf_counter() - t0
+    (out, n_out, steps, _), pre_s, dec_s = _timed(
+        lambda: pre(target.state, tokens, lens, cache, key, temp, topp),
+        lambda r: dec(target.state, r[1], r[0], max_new, stop, key, temp, topp),
+    )
+    taus = [[1] * (int(n) - 1) for n in n_out]  # AR: one token per decode step
+    return dict(out=out, n_out=n_out, steps=int(steps), taus=taus, compile_s=compile_s,
+                prefill_s=pre_s, decode_s=dec_s)  # fmt: skip
+
+
+def _run_dflash(drafter, block_size, target, tokens, lens, capacity, max_new, stop, sampling,
+                greedy):  # fmt: skip
+    key, temp, topp = sampling["key"], sampling["temperature"], sampling["top_p"]
+    B = tokens.shape[0]
+    tcache = init_cache(target.cfg, B, capacity, target.dtype)
+    dcache = init_cache(drafter.cfg.layers, B, capacity, target.dtype)
+    tg, ts, dg, ds = target.graphdef, target.state, drafter.graphdef, drafter.state
+    t0 = time.perf_counter()
+    pre = _compiled(dflash.prefill, tg, ts, dg, ds, tokens, lens, tcache, dcache, key, temp, topp,
+                    greedy=greedy)  # fmt: skip
+    first_shape = jax.ShapeDtypeStruct((B,), jnp.int32)
+    dec = _compiled(dflash.decode_loop, tg, ts, dg, ds, tcache, dcache, first_shape, max_new, stop,
+                    key, temp, topp, greedy=greedy, max_steps=int(max_new.max()),
+                    block_size=block_size)  # fmt: skip
+    compile_s = time.perf_counter() - t0
+    (out, n_out, taus, steps, _, _), pre_s, dec_s = _timed(
+        lambda: pre(ts, ds, tokens, lens, tcache, dcache, key, temp, topp),
+        lambda r: dec(ts, ds, r[1], r[2], r[0], max_new, stop, key, temp, topp),
+    )
+    return dict(out=out, n_out=n_out, steps=int(steps), taus=taus, compile_s=compile_s,
+                prefill_s=pre_s, decode_s=dec_s)  # fmt: skip
 
 
 def forward(target: Target, token_ids) -> np.ndarray:

@@ -49,25 +49,29 @@ def _deepseek_v3(**kw):
 
 
 BUILDERS = {
-    "llama": lambda: LlamaForCausalLM(LlamaConfig(**DENSE, tie_word_embeddings=True)),
-    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**DENSE)),
-    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**DENSE, head_dim=32)),
-    "deepseek_v3": lambda: _deepseek_v3(q_lora_rank=48, n_group=4, topk_group=2, rope_scaling=YARN),
-    "deepseek_v3_no_qlora": lambda: _deepseek_v3(q_lora_rank=None),
-    "deepseek_v2_lite": lambda: DeepseekV2ForCausalLM(
+    "llama": lambda **o: LlamaForCausalLM(LlamaConfig(**{**DENSE, **o}, tie_word_embeddings=True)),
+    "qwen2": lambda **o: Qwen2ForCausalLM(Qwen2Config(**{**DENSE, **o})),
+    "qwen3": lambda **o: Qwen3ForCausalLM(Qwen3Config(**{**DENSE, "head_dim": 32, **o})),
+    "deepseek_v3": lambda **o: _deepseek_v3(
+        q_lora_rank=48, n_group=4, topk_group=2, rope_scaling=YARN, **o
+    ),
+    "deepseek_v3_no_qlora": lambda **o: _deepseek_v3(q_lora_rank=None, **o),
+    "deepseek_v2_lite": lambda **o: DeepseekV2ForCausalLM(
         DeepseekV2Config(
-            **MLA, q_lora_rank=None, topk_method="greedy", rope_scaling={**YARN, "mscale": 0.707}
+            **{**MLA, "q_lora_rank": None, "topk_method": "greedy",
+               "rope_scaling": {**YARN, "mscale": 0.707}, **o}
         )
     ),
-}
+}  # fmt: skip
 
 
-def build(kind: str, path: Path, seed: int = 0):
-    """Save a random model of `kind` to path; returns the torch reference model."""
+def build(kind: str, path: Path, seed: int = 0, **overrides):
+    """Save a random model of `kind` to path; returns the torch reference model.
+    `overrides` change config fields (e.g. vocab_size=8 for sampling tests)."""
     torch.manual_seed(seed)
     base = kind.split("+")[0]
     builder = "deepseek_v3" if base in ("kimi_k2", "kimi_k25") else base
-    model = BUILDERS[builder]().eval()
+    model = BUILDERS[builder](**overrides).eval()
     # Random models have small logit gaps; widen the output layer so greedy ties are unlikely.
     if not model.config.tie_word_embeddings:
         with torch.no_grad():

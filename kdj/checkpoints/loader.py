@@ -48,7 +48,7 @@ def _gqa_targets(proj: str, kind: str, x: np.ndarray, cfg: ModelConfig, pre: tup
     return [(pre + ("attn", "qkv_bias"), b, np.index_exp[:, slot])]
 
 
-def _mlp_targets(proj: str, x: np.ndarray, pre: tuple):
+def mlp_targets(proj: str, x: np.ndarray, pre: tuple):
     """gate/up go into the two halves of the fused [D, 2, I] kernel."""
     if proj == "down_proj":
         return [(pre + ("down", "kernel"), x.T, ALL)]
@@ -123,23 +123,34 @@ def hf_targets(name: str, x: np.ndarray, cfg: ModelConfig):
         if rest.startswith(prefix) and rest.endswith(".weight"):
             proj = rest[len(prefix) : -len(".weight")]
             if proj in ("gate_proj", "up_proj", "down_proj"):
-                return _mlp_targets(proj, x, pre + sub)
+                return mlp_targets(proj, x, pre + sub)
     raise ValueError(f"unexpected tensor {name!r} for a {cfg.model_type} model")
 
 
-def load_params(
-    cfg: ModelConfig,
+def load_params(cfg: ModelConfig, tensors, *, dtype=jnp.bfloat16, **kw) -> Transformer:
+    """Build a target model from (HF name, array) pairs; every parameter filled exactly once."""
+    skeleton = abstract_model(cfg, jnp.dtype(dtype))
+    return fill_params(skeleton, tensors, lambda n, x: hf_targets(n, x, cfg), **kw)
+
+
+def fill_params(
+    skeleton,
     tensors: Iterable[tuple[str, np.ndarray]],
+    targets,
     *,
-    dtype=jnp.bfloat16,
     mesh=None,
     rules: ShardingRules | None = None,
     total: int | None = None,
     desc: str = "loading",
-) -> Transformer:
-    """Build the model from (HF name, array) pairs; every parameter must be filled exactly once."""
+):
+    """Fill an abstract NNX module (from nnx.eval_shape) with checkpoint tensors.
+
+    targets(name, array) -> [(param path, value, index), ...] says where each tensor goes.
+    Each finished parameter is placed on device (in its sharding) as soon as it is complete.
+    """
+    kind = type(skeleton).__name__
     rules = rules or single_device_rules()
-    graphdef, state = nnx.split(abstract_model(cfg, jnp.dtype(dtype)))
+    graphdef, state = nnx.split(skeleton)
     slots = dict(nnx.to_flat_state(state))
     filled: set[tuple] = set()
     partial: dict[tuple, tuple[np.ndarray, int]] = {}  # path -> (host buffer, elements written)
@@ -153,11 +164,11 @@ def load_params(
         filled.add(path)
 
     for name, x in tqdm(tensors, total=total, desc=desc, unit="tensor", leave=False):
-        for path, value, index in hf_targets(name, x, cfg):
+        for path, value, index in targets(name, x):
             if path not in slots:
                 raise ValueError(
-                    f"tensor {name!r} has no place in a {cfg.model_type} model with this "
-                    f"config (looked for {'.'.join(map(str, path))})"
+                    f"tensor {name!r} has no place in this {kind} "
+                    f"(looked for {'.'.join(map(str, path))})"
                 )
             target = slots[path].get_value()
             want = np.broadcast_to(np.empty((), bool), target.shape)[index].shape  # no copy

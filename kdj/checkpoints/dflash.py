@@ -1,0 +1,164 @@
+"""The published DFlash drafter checkpoint format, read and written.
+
+A drafter directory holds config.json (`architectures: ["DFlashDraftModel"]`, the usual Qwen3
+fields, `block_size`, `num_target_layers`, `dflash_config: {mask_token_id, target_layer_ids}`)
+and safetensors weights named without a "model." prefix: fc.weight, hidden_norm.weight,
+norm.weight, layers.{i}.{input_layernorm,post_attention_layernorm}.weight,
+layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,k}_norm.weight,
+layers.{i}.mlp.{gate,up,down}_proj.weight. Embedding and lm_head come from the target.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors.numpy import save_file
+
+from kdj.checkpoints.hf_safetensors import HFCheckpoint
+from kdj.checkpoints.loader import ALL, fill_params, mlp_targets
+from kdj.config import ModelConfig
+from kdj.models.drafter import Drafter, DrafterConfig, build_drafter, default_target_layer_ids
+
+ARCHITECTURE = "DFlashDraftModel"
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_NAMES = {
+    "input_layernorm.weight": ("attn_norm", "weight"),
+    "post_attention_layernorm.weight": ("mlp_norm", "weight"),
+    "self_attn.q_norm.weight": ("attn", "q_norm", "weight"),
+    "self_attn.k_norm.weight": ("attn", "k_norm", "weight"),
+}
+
+
+def drafter_config_from_hf(cfg: dict) -> DrafterConfig:
+    """Parse a DFlash config.json dict; unknown or inconsistent fields raise ValueError."""
+    if ARCHITECTURE not in (cfg.get("architectures") or []):
+        raise ValueError(f"not a DFlash drafter config (architectures={cfg.get('architectures')})")
+    if cfg.get("attention_bias"):
+        raise NotImplementedError("DFlash drafters with attention bias are not supported")
+    extra = cfg.get("dflash_config") or {}
+    mask = extra.get("mask_token_id", cfg.get("mask_token_id"))
+    if mask is None:
+        raise ValueError("DFlash config has no mask_token_id (dflash_config.mask_token_id)")
+    layer_types = tuple(cfg.get("layer_types") or ())
+    layers_cfg = {k: v for k, v in cfg.items() if k not in ("use_sliding_window", "layer_types")}
+    layers_cfg["model_type"] = "qwen3"  # the drafter's layers are Qwen3 layers
+    layers = ModelConfig.from_hf(layers_cfg)
+    n = layers.num_layers
+    if layer_types and len(layer_types) != n:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for {n} layers")
+    ids = extra.get("target_layer_ids")
+    num_target = cfg.get("num_target_layers")
+    if ids is None:
+        if num_target is None:
+            raise ValueError("DFlash config needs target_layer_ids or num_target_layers")
+        ids = default_target_layer_ids(num_target, n)
+    return DrafterConfig(
+        layers=layers,
+        block_size=int(cfg.get("block_size", 16)),
+        mask_token_id=int(mask),
+        target_layer_ids=tuple(int(i) for i in ids),
+        num_target_layers=int(num_target) if num_target is not None else -1,
+        layer_types=layer_types,
+        sliding_window=cfg.get("sliding_window") if "sliding_attention" in layer_types else None,
+    )
+
+
+def drafter_config_to_hf(cfg: DrafterConfig) -> dict:
+    lc = cfg.layers
+    out = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "hidden_size": lc.hidden_size,
+        "intermediate_size": lc.intermediate_size,
+        "num_hidden_layers": lc.num_layers,
+        "num_attention_heads": lc.num_heads,
+        "num_key_value_heads": lc.num_kv_heads,
+        "head_dim": lc.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": lc.rms_norm_eps,
+        "rope_theta": lc.rope_theta,
+        "rope_scaling": lc.rope,
+        "max_position_embeddings": lc.max_position_embeddings,
+        "vocab_size": lc.vocab_size,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "block_size": cfg.block_size,
+        "num_target_layers": cfg.num_target_layers,
+        "dflash_config": {
+            "mask_token_id": cfg.mask_token_id,
+            "target_layer_ids": list(cfg.target_layer_ids),
+        },
+    }
+    if cfg.layer_types:
+        out["layer_types"] = list(cfg.layer_types)
+        out["sliding_window"] = cfg.sliding_window
+        out["use_sliding_window"] = "sliding_attention" in cfg.layer_types
+    return out
+
+
+def drafter_targets(name: str, x: np.ndarray):
+    """Map one published DFlash tensor name to [(param path, value, index)]."""
+    if name.startswith("model."):
+        name = name[len("model.") :]  # tolerate a prefixed variant
+    if name == "fc.weight":
+        return [(("fc", "kernel"), x.T, ALL)]
+    if name in ("hidden_norm.weight", "norm.weight"):
+        return [((name.split(".")[0], "weight"), x, ALL)]
+    m = _LAYER.fullmatch(name)
+    if m is not None:
+        pre, rest = ("layers", int(m.group(1))), m.group(2)
+        if rest in _NAMES:
+            return [(pre + _NAMES[rest], x, ALL)]
+        proj = rest.removeprefix("self_attn.").removesuffix("_proj.weight")
+        if rest.startswith("self_attn.") and proj in ("q", "k", "v", "o"):
+            return [(pre + ("attn", proj, "kernel"), x.T, ALL)]
+        if rest.startswith("mlp.") and rest.endswith(".weight"):
+            return mlp_targets(rest[len("mlp.") : -len(".weight")], x, pre + ("mlp",))
+    if name.startswith(("embed_tokens.", "lm_head.")):
+        return []  # some exports carry the target's tables; kdj always uses the target's own
+    raise ValueError(f"unexpected tensor {name!r} in a DFlash drafter checkpoint")
+
+
+def load_drafter_checkpoint(path, dtype=jnp.bfloat16, mesh=None) -> Drafter:
+    ckpt = HFCheckpoint(path)
+    try:
+        cfg = drafter_config_from_hf(json.loads(ckpt.config_path.read_text()))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"corrupt {ckpt.config_path}: {e}") from None
+    skeleton = nnx.eval_shape(lambda: build_drafter(cfg, dtype))
+    return fill_params(
+        skeleton, ckpt.tensors(), drafter_targets, mesh=mesh, total=len(ckpt),
+        desc=f"loading drafter {Path(path).name}",
+    )  # fmt: skip
+
+
+def save_drafter(drafter: Drafter, path) -> Path:
+    """Write `drafter` in the published DFlash format (float32 weights keep full precision)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        "fc.weight": drafter.fc.kernel[...].T,
+        "hidden_norm.weight": drafter.hidden_norm.weight[...],
+        "norm.weight": drafter.norm.weight[...],
+    }
+    for i, layer in enumerate(drafter.layers):
+        p = f"layers.{i}."
+        tensors[p + "input_layernorm.weight"] = layer.attn_norm.weight[...]
+        tensors[p + "post_attention_layernorm.weight"] = layer.mlp_norm.weight[...]
+        for proj in ("q", "k", "v", "o"):
+            tensors[p + f"self_attn.{proj}_proj.weight"] = getattr(layer.attn, proj).kernel[...].T
+        tensors[p + "self_attn.q_norm.weight"] = layer.attn.q_norm.weight[...]
+        tensors[p + "self_attn.k_norm.weight"] = layer.attn.k_norm.weight[...]
+        gate_up = layer.mlp.gate_up[...]
+        tensors[p + "mlp.gate_proj.weight"] = gate_up[:, 0].T
+        tensors[p + "mlp.up_proj.weight"] = gate_up[:, 1].T
+        tensors[p + "mlp.down_proj.weight"] = layer.mlp.down.kernel[...].T
+    arrays = {k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in tensors.items()}
+    save_file(arrays, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(drafter_config_to_hf(drafter.cfg), indent=2))
+    return path

@@ -1,0 +1,167 @@
+"""The DFlash block-diffusion drafter (Qwen3-style layers with KV injection).
+
+One draft step proposes b - 1 tokens in one forward pass:
+
+    context c = hidden_norm(fc(concat of target hidden states at target_layer_ids))   [B, C, D]
+    block   x = target_embed([last committed token, mask, ..., mask])                 [B, b, D]
+    every layer:  q = q_norm(Wq norm(x))            (block only, RoPE at start + j)
+                  k = k_norm(Wk [c ; norm(x)]), v = Wv [c ; norm(x)]   (RoPE at absolute positions)
+                  x += o(attn(q, k, v))  -- block sees all visible context and the whole block
+                  x += mlp(norm(x))
+    draft logits = target_lm_head(norm(x))[:, 1:]   (slot j predicts the token at start + j)
+
+The context's K/V are cached per layer (appended once per committed token, never
+recomputed); the block's K/V are used in the step and discarded. The drafter owns no embedding
+or lm_head: it borrows the target's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kdj import cache as kvc
+from kdj.config import ModelConfig
+from kdj.models.layers import (
+    MLP,
+    NEG_INF,
+    Linear,
+    RMSNorm,
+    apply_rope,
+    rope_frequencies,
+    softmax_scale,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    layers: ModelConfig  # the Qwen3-style layer stack (hidden size = the target's)
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    layer_types: tuple[str, ...] = ()  # "full_attention" | "sliding_attention" per layer
+    sliding_window: int | None = None
+
+    @property
+    def num_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    def window(self, i: int) -> int | None:
+        """Context window of layer i (None = all context)."""
+        if self.layer_types and self.layer_types[i] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """The published default: [L // 2] for one draft layer, else round(1 + i (L - 4) / (n - 1))."""
+    L, n = num_target_layers, num_draft_layers
+    if n == 1:
+        return (L // 2,)
+    return tuple(int(round(1 + i * (L - 4) / (n - 1))) for i in range(n))
+
+
+class DrafterAttention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs):
+        D, H, KVH, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q = Linear(D, H * hd, ("embed", "q_heads"), dtype=dtype, rngs=rngs)
+        self.k = Linear(D, KVH * hd, ("embed", "kv_heads"), dtype=dtype, rngs=rngs)
+        self.v = Linear(D, KVH * hd, ("embed", "kv_heads"), dtype=dtype, rngs=rngs)
+        self.o = Linear(H * hd, D, ("q_heads", "embed"), dtype=dtype, rngs=rngs)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype, axes=("head_dim",))
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype, axes=("head_dim",))
+        self.cfg = cfg
+
+    def keys_values(self, h, positions):
+        """h [B, T, D] at positions [B, T] -> rotated, normed keys and values [B, T, KVH, hd]."""
+        cfg = self.cfg
+        B, T, _ = h.shape
+        inv_freq, amp = rope_frequencies(cfg)
+        k = self.k_norm(self.k(h).reshape(B, T, cfg.num_kv_heads, cfg.head_dim))
+        k = apply_rope(k, positions, inv_freq, amp, interleaved=False)
+        return k, self.v(h).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+
+    def __call__(self, x, positions, k_cache, v_cache, ctx_len, window):
+        """Block x [B, b, D] at positions [B, b] attends the cached context (slots < ctx_len,
+        within `window` of the block start if set) and the whole block."""
+        cfg = self.cfg
+        B, b, _ = x.shape
+        H, KVH, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        inv_freq, amp = rope_frequencies(cfg)
+        q = self.q_norm(self.q(x).reshape(B, b, H, hd))
+        q = apply_rope(q, positions, inv_freq, amp, interleaved=False)
+        kb, vb = self.keys_values(x, positions)
+        k = jnp.concatenate([k_cache, kb.astype(k_cache.dtype)], axis=1)  # [B, S + b, KVH, hd]
+        v = jnp.concatenate([v_cache, vb.astype(v_cache.dtype)], axis=1)
+        slot = jnp.arange(k_cache.shape[1])[None, None, :]  # context slot = its position
+        ctx_ok = jnp.broadcast_to(slot < ctx_len[:, None, None], (B, b, k_cache.shape[1]))
+        blk_ok = jnp.ones((B, b, b), bool)
+        if window is not None:
+            # Sliding-window layers follow flash-attention's non-causal window, which is how
+            # the reference runs them: a query at p sees keys at p - (w-1) .. p + (w-1).
+            ctx_ok &= slot > positions[:, :, None] - window
+            blk_ok = jnp.abs(positions[:, :, None] - positions[:, None, :]) < window
+        mask = jnp.concatenate([ctx_ok, blk_ok], axis=-1)
+        G = H // KVH
+        qg = q.reshape(B, b, KVH, G, hd)
+        s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+        s = jnp.where(mask[:, None, None], s * softmax_scale(cfg), NEG_INF)
+        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", p, v).reshape(B, b, H * hd)
+        return self.o(out)
+
+
+class DrafterLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs):
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.attn = DrafterAttention(cfg, dtype=dtype, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+
+
+class Drafter(nnx.Module):
+    def __init__(self, cfg: DrafterConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
+        lc = cfg.layers
+        D = lc.hidden_size
+        self.fc = Linear(cfg.num_features * D, D, ("features", "embed"), dtype=dtype, rngs=rngs)
+        self.hidden_norm = RMSNorm(D, lc.rms_norm_eps, dtype=dtype)
+        self.layers = nnx.List(
+            [DrafterLayer(lc, dtype=dtype, rngs=rngs) for _ in range(lc.num_layers)]
+        )
+        self.norm = RMSNorm(D, lc.rms_norm_eps, dtype=dtype)
+        self.cfg = cfg
+
+    def add_context(self, feats, positions, cache: kvc.KVCache) -> kvc.KVCache:
+        """Write context K/V for target features feats [B, C, K*D] at positions [B, C] into
+        every layer's cache (positions outside the cache are dropped). Lengths untouched."""
+        c = self.hidden_norm(self.fc(feats.astype(self.fc.kernel.dtype)))
+        ks, vs = [], []
+        for i, layer in enumerate(self.layers):
+            k, v = layer.attn.keys_values(c, positions)
+            ks.append(kvc.write(cache.k[i], k, positions))
+            vs.append(kvc.write(cache.v[i], v, positions))
+        return dataclasses.replace(cache, k=ks, v=vs)
+
+    def __call__(self, x, positions, cache: kvc.KVCache):
+        """Block embeddings x [B, b, D] at positions [B, b] -> final hidden [B, b, D] (the
+        caller applies the target's lm_head). Context visible: slots < cache.lengths."""
+        x = x.astype(self.fc.kernel.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer.attn_norm(x)
+            x = x + layer.attn(
+                h, positions, cache.k[i], cache.v[i], cache.lengths, self.cfg.window(i)
+            )
+            x = x + layer.mlp(layer.mlp_norm(x))
+        return self.norm(x)
+
+
+def init_drafter_cache(cfg: DrafterConfig, batch: int, capacity: int, dtype) -> kvc.KVCache:
+    return kvc.init_cache(cfg.layers, batch, capacity, dtype)
+
+
+def build_drafter(cfg: DrafterConfig, dtype=jnp.bfloat16, seed: int = 0) -> Drafter:
+    return Drafter(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed))

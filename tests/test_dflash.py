@@ -1,0 +1,258 @@
+"""DFlash speculative decoding: lossless (greedy token for token, sampling in distribution),
+batched with ragged prompts, stop tokens, cache end, block size at call time, checkpoint
+format and bad input.
+
+Targets are small random HF checkpoints; the small vocabulary (12 tokens) makes a random
+drafter right often enough that multi-token acceptance and ragged progress really happen
+(the tests assert that they did)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kdj
+from kdj.decode import accept as accept_mod
+from kdj.models.drafter import DrafterConfig, build_drafter, default_target_layer_ids
+from tests.hf_models import build
+
+VOCAB = 12
+
+
+def make_drafter(target, layers=2, block=6, seed=0, ids=None, mask=None):
+    t = target.cfg
+    lc = t.replace(family="llama", model_type="qwen3", num_layers=layers, qk_norm=True,
+                   num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
+                   qkv_bias=False, o_bias=False, rope_scaling=None)  # fmt: skip
+    cfg = DrafterConfig(
+        layers=lc, block_size=block, mask_token_id=t.vocab_size - 1 if mask is None else mask,
+        target_layer_ids=ids or default_target_layer_ids(t.num_layers, layers),
+        num_target_layers=t.num_layers,
+    )  # fmt: skip
+    return kdj.Drafter.from_model(build_drafter(cfg, t_dtype(target), seed=seed))
+
+
+def t_dtype(target):
+    return target.dtype
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "deepseek_v3"])
+def pair(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    build(request.param, path, vocab_size=VOCAB, num_hidden_layers=3)
+    target = kdj.load_target(path, dtype="float32")
+    return request.param, target, make_drafter(target)
+
+
+def prompts_for(target, lens=(5, 17, 9, 2), seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, target.cfg.vocab_size, n).tolist() for n in lens]
+
+
+def test_greedy_equals_ar_ragged_batch_with_mid_batch_stop(pair):
+    name, target, drafter = pair
+    prompts = prompts_for(target)
+    ar = kdj.generate(target, prompts, method="ar", max_new_tokens=40, stop_tokens=[])
+    sp = kdj.generate(target, prompts, drafter=drafter, method="dflash", max_new_tokens=40,
+                      stop_tokens=[])  # fmt: skip
+    assert sp.tokens == ar.tokens, name
+    assert max(max(t) for t in sp.stats["acceptance_lengths"]) > 1, "no draft was ever accepted"
+    for toks, taus in zip(sp.tokens, sp.stats["acceptance_lengths"]):
+        assert sum(taus) + 1 == len(toks)  # first token from prefill, the rest from the steps
+    # a stop token that sequence 1 emits mid-way: it ends there, the others run on
+    stop = ar.tokens[1][10]
+    ar_s = kdj.generate(target, prompts, method="ar", max_new_tokens=40, stop_tokens=[stop])
+    sp_s = kdj.generate(target, prompts, drafter=drafter, method="dflash", max_new_tokens=40,
+                        stop_tokens=[stop])  # fmt: skip
+    assert sp_s.tokens == ar_s.tokens
+    assert len(sp_s.tokens[1]) <= 11 and sp_s.tokens[1][-1] == stop
+
+
+def test_block_size_lowered_at_call_time(pair):
+    _, target, drafter = pair
+    prompts = prompts_for(target, (7, 3))
+    ar = kdj.generate(target, prompts, method="ar", max_new_tokens=25, stop_tokens=[])
+    for k in (2, 4):
+        sp = kdj.generate(target, prompts, drafter=drafter, method="dflash", block_size=k,
+                          max_new_tokens=25, stop_tokens=[])  # fmt: skip
+        assert sp.tokens == ar.tokens
+        assert max(max(t) for t in sp.stats["acceptance_lengths"]) <= k
+
+
+def test_generate_to_exactly_the_cache_capacity(pair):
+    """A step near the end must neither write outside the cache nor commit tokens whose K/V
+    could not be stored: run until prompt + new tokens == capacity exactly."""
+    _, target, drafter = pair
+    prompts = prompts_for(target, (20, 11))
+    kw = dict(max_new_tokens=[44, 53], stop_tokens=[], cache_size=64)
+    ar = kdj.generate(target, prompts, method="ar", **kw)
+    sp = kdj.generate(target, prompts, drafter=drafter, method="dflash", **kw)
+    assert [len(t) for t in sp.tokens] == [44, 53]
+    assert sp.tokens == ar.tokens
+
+
+def test_smollm2_with_random_drafter_matches_ar():
+    target = kdj.load_target("smollm2-135m-instruct", dtype="float32")
+    drafter = make_drafter(target, layers=1, block=4, ids=(3, 20), mask=0)
+    tok = target.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}])
+               for q in ("What is the capital of Australia?", "Name three colours.")]  # fmt: skip
+    ar = kdj.generate(target, prompts, method="ar", max_new_tokens=16)
+    sp = kdj.generate(target, prompts, drafter=drafter, method="dflash", max_new_tokens=16)
+    assert sp.tokens == ar.tokens
+    assert sp.texts[0] == "The capital of Australia is Canberra."
+
+
+# ------------------------------------------------------------------------ sampling
+def exact_joint(target, prompt, n, temperature):
+    """Exact target distribution of the first n sampled tokens, [V] * n (small V only)."""
+    V = target.cfg.vocab_size
+    joint = np.ones([1] * 0)
+    prefixes = [[]]
+    for _ in range(n):
+        logits = kdj.forward(target, [prompt + p for p in prefixes])[:, -1].astype(np.float64)
+        p = np.exp((logits - logits.max(-1, keepdims=True)) / temperature)
+        p /= p.sum(-1, keepdims=True)
+        joint = (joint.reshape(-1, 1) * p).reshape(-1)
+        prefixes = [q + [t] for q in prefixes for t in range(V)]
+    return joint.reshape([V] * n)
+
+
+def chi_square_p_ok(samples, probs, alpha=1e-3):
+    """Pearson chi-square of sample counts against probs, pooling cells with expected < 5.
+    Returns True when the samples are consistent with probs at significance alpha."""
+    from scipy.stats import chi2
+
+    counts = np.bincount(samples, minlength=probs.size).astype(float)
+    exp = probs.reshape(-1) * len(samples)
+    big = exp >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(exp[big], exp[~big].sum())
+    keep = exp > 0
+    stat = ((obs - exp) ** 2 / exp)[keep].sum()
+    return chi2.sf(stat, keep.sum() - 1) > alpha
+
+
+def broken_accept_sampled(drafts, logits, key, temperature, top_p, limit=None):
+    """The classic bug: on rejection, draw the bonus from p instead of p with x removed."""
+    from kdj.decode.sampling import target_probs
+
+    B, b, _ = logits.shape
+    p = target_probs(logits, temperature, top_p)
+    k_u, k_bonus = jax.random.split(key)
+    p_draft = jnp.take_along_axis(p[:, :-1], drafts[..., None], axis=-1)[..., 0]
+    ok = jax.random.uniform(k_u, p_draft.shape) < p_draft
+    a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    a = a if limit is None else jnp.minimum(a, limit)
+    row = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]
+    return a, jax.random.categorical(k_bonus, jnp.log(row), axis=-1).astype(jnp.int32)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_sampling")
+    build("qwen3", path, vocab_size=6, num_hidden_layers=2)
+    target = kdj.load_target(path, dtype="float32")
+    return target, make_drafter(target, layers=1, block=4, seed=3)
+
+
+def sampled_triples(target, drafter, prompt, n, seed):
+    out = kdj.generate(target, [prompt] * n, drafter=drafter, method="dflash", max_new_tokens=3,
+                       temperature=0.9, seed=seed, stop_tokens=[])  # fmt: skip
+    V = target.cfg.vocab_size
+    t = np.array(out.tokens)
+    return (t[:, 0] * V + t[:, 1]) * V + t[:, 2], out
+
+
+def test_sampling_is_lossless_and_the_test_catches_a_wrong_bonus(tiny, monkeypatch):
+    """The joint law of the first three sampled tokens (6^3 cells) over 6000 independent
+    sequences must match the exact target law (chi-square, significance 0.001); the same test
+    must reject an acceptance rule that draws the bonus from p instead of p minus the draft."""
+    target, drafter = tiny
+    prompt = [1, 2, 3, 4]
+    probs = exact_joint(target, prompt, 3, 0.9)
+    good, out = sampled_triples(target, drafter, prompt, 6000, seed=0)
+    hist = out.stats["acceptance_histogram"]
+    assert sum(hist[1:]) > 500, f"too few accepted drafts to test acceptance: {hist}"
+    assert chi_square_p_ok(good, probs)
+    monkeypatch.setattr(accept_mod, "accept_sampled", broken_accept_sampled)
+    monkeypatch.setattr(kdj.decode.dflash, "accept_sampled", broken_accept_sampled)
+    kdj.api._EXECUTABLES.clear()
+    jax.clear_caches()  # jit caches traces: make it re-trace with the broken rule
+    try:
+        bad, _ = sampled_triples(target, drafter, prompt, 6000, seed=0)
+    finally:
+        kdj.api._EXECUTABLES.clear()
+        jax.clear_caches()
+    assert not chi_square_p_ok(bad, probs)
+
+
+def test_sampling_is_seeded(tiny):
+    target, drafter = tiny
+    kw = dict(drafter=drafter, method="dflash", max_new_tokens=12, temperature=1.0,
+              stop_tokens=[])  # fmt: skip
+    a = kdj.generate(target, [[1, 2], [3]], seed=5, **kw).tokens
+    assert a == kdj.generate(target, [[1, 2], [3]], seed=5, **kw).tokens
+    assert a != kdj.generate(target, [[1, 2], [3]], seed=6, **kw).tokens
+
+
+# -------------------------------------------------------------- format and bad input
+def test_checkpoint_roundtrip_in_published_format(pair, tmp_path):
+    import json
+
+    _, target, drafter = pair
+    drafter.save(tmp_path / "d")
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"]
+    assert cfg["dflash_config"]["target_layer_ids"] == list(drafter.cfg.target_layer_ids)
+    from kdj.checkpoints.hf_safetensors import HFCheckpoint
+
+    names = set(HFCheckpoint(tmp_path / "d").names())
+    assert {"fc.weight", "hidden_norm.weight", "layers.0.self_attn.q_norm.weight"} <= names
+    assert not any(n.startswith("model.") for n in names)
+    loaded = kdj.load_drafter(tmp_path / "d", target=target)
+    from kdj.checkpoints.dflash import drafter_config_to_hf
+
+    assert drafter_config_to_hf(loaded.cfg) == drafter_config_to_hf(drafter.cfg)
+    for a, b in zip(jax.tree.leaves(drafter.state), jax.tree.leaves(loaded.state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bad_pairs_raise_clear_errors(pair, tmp_path):
+    _, target, drafter = pair
+    d = drafter.cfg
+    with pytest.raises(ValueError, match="block_size must be in"):
+        kdj.generate(target, [[1, 2]], drafter=drafter, method="dflash", block_size=1)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        kdj.generate(target, [[1, 2]], method="dflash")
+    wrong = kdj.Drafter(d.__class__(**{**d.__dict__, "layers": d.layers.replace(hidden_size=32)}),
+                        drafter.graphdef, drafter.state)  # fmt: skip
+    with pytest.raises(ValueError, match="hidden size 32 does not match"):
+        kdj.generate(target, [[1, 2]], drafter=wrong, method="dflash")
+    wrong = kdj.Drafter(d.__class__(**{**d.__dict__, "layers": d.layers.replace(vocab_size=999)}),
+                        drafter.graphdef, drafter.state)  # fmt: skip
+    with pytest.raises(ValueError, match="vocabulary 999 does not match"):
+        kdj.generate(target, [[1, 2]], drafter=wrong, method="dflash")
+    wrong = kdj.Drafter(d.__class__(**{**d.__dict__, "target_layer_ids": (0, 7)}),
+                        drafter.graphdef, drafter.state)  # fmt: skip
+    with pytest.raises(ValueError, match="target_layer_ids .* reach outside"):
+        kdj.generate(target, [[1, 2]], drafter=wrong, method="dflash")
+    # a checkpoint without a mask token, and a missing directory
+    drafter.save(tmp_path / "d")
+    import json
+
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    del cfg["dflash_config"]["mask_token_id"]
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="no mask_token_id"):
+        kdj.load_drafter(tmp_path / "d", target=target)
+    with pytest.raises(FileNotFoundError):
+        kdj.load_drafter(tmp_path / "missing", target=target)
+
+
+def test_default_target_layer_ids_formula():
+    assert default_target_layer_ids(61, 6) == (1, 12, 24, 35, 47, 58)  # Kimi K2
+    assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)  # Qwen3-8B
+    assert default_target_layer_ids(30, 1) == (15,)
