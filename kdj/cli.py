@@ -8,6 +8,7 @@ import sys
 
 DEFAULTS = {
     "target": "smollm2-135m-instruct",
+    "drafter": None,
     "dtype": "auto",
     "chat": True,
     "decode": {
@@ -16,6 +17,7 @@ DEFAULTS = {
         "temperature": 0.0,
         "top_p": 1.0,
         "seed": 0,
+        "block_size": None,
     },
 }
 
@@ -46,27 +48,31 @@ def cmd_generate(args) -> int:
     import kdj
 
     run = _run_config(args.config)
-    for key in ("target", "dtype"):
+    for key in ("target", "drafter", "dtype"):
         if getattr(args, key) is not None:
             run[key] = getattr(args, key)
     if args.no_chat:
         run["chat"] = False
     dec = run["decode"]
-    for key in ("method", "max_new_tokens", "temperature", "top_p", "seed"):
+    for key in ("method", "max_new_tokens", "temperature", "top_p", "seed", "block_size"):
         if getattr(args, key) is not None:
             dec[key] = getattr(args, key)
     target = kdj.load_target(run["target"], dtype=_dtype(run["dtype"]))
+    drafter = kdj.load_drafter(run["drafter"], target=target) if run["drafter"] else None
     tok = target.tokenizer
     prompts = args.prompt or ["What is the capital of Australia?"]
     if run["chat"]:
         if tok is None:
             raise SystemExit("--chat needs a tokenizer; this target has none (use --no-chat)")
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    out = kdj.generate(target, prompts, **dec)
+    out = kdj.generate(target, prompts, drafter=drafter, **dec)
     for i, text in enumerate(out.texts or [str(t) for t in out.tokens]):
         print(f"--- [{i}] {args.prompt[i] if args.prompt else 'What is the capital of Australia?'}")
         print(text)
     s = out.stats
+    if s["method"] != "ar":
+        hist = " ".join(f"{k + 1}:{n}" for k, n in enumerate(s["acceptance_histogram"]) if n)
+        print(f"--- tokens per step (tau) histogram: {hist}")
     print(
         f"--- {s['method']}: {s['new_tokens']} tokens in {s['steps']} steps, "
         f"mean acceptance {s['mean_acceptance']:.2f}, {s['tokens_per_s']:.1f} tok/s decode "
@@ -93,6 +99,8 @@ def main(argv=None) -> int:
     g.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     g.add_argument("--config", help="run YAML, e.g. configs/runs/smollm2.yaml")
     g.add_argument("--target", help="HF dir, .gguf, kdj convert dir or built-in name")
+    g.add_argument("--drafter", help="DFlash drafter checkpoint dir (published format)")
+    g.add_argument("--block-size", type=int, help="run the drafter at a smaller block")
     g.add_argument("--dtype", help="float32 | bfloat16 | auto")
     g.add_argument("--method", choices=["ar", "dflash", "ddtree", "auto"])
     g.add_argument("--max-new-tokens", type=int)

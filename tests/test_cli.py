@@ -39,3 +39,16 @@ def test_convert_roundtrip(tmp_path, capsys):
     np.testing.assert_array_equal(kdj.forward(a, ids), kdj.forward(b, ids))
     with pytest.raises(FileExistsError):
         main(["convert", str(src), str(tmp_path / "orbax")])
+
+
+def test_generate_with_a_drafter_prints_acceptance(tmp_path, capsys):
+    from tests.test_dflash import make_drafter
+
+    target = kdj.load_target("smollm2-135m-instruct", dtype="float32")
+    make_drafter(target, layers=1, block=4, ids=(3, 20), mask=0).save(tmp_path / "d")
+    argv = ["generate", "--drafter", str(tmp_path / "d"), "--method", "dflash",
+            "--max-new-tokens", "16", "--block-size", "3"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "The capital of Australia is Canberra." in out
+    assert "dflash:" in out and "histogram" in out

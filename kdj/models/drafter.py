@@ -95,23 +95,29 @@ class DrafterAttention(nnx.Module):
         q = self.q_norm(self.q(x).reshape(B, b, H, hd))
         q = apply_rope(q, positions, inv_freq, amp, interleaved=False)
         kb, vb = self.keys_values(x, positions)
-        k = jnp.concatenate([k_cache, kb.astype(k_cache.dtype)], axis=1)  # [B, S + b, KVH, hd]
-        v = jnp.concatenate([v_cache, vb.astype(v_cache.dtype)], axis=1)
         slot = jnp.arange(k_cache.shape[1])[None, None, :]  # context slot = its position
-        ctx_ok = jnp.broadcast_to(slot < ctx_len[:, None, None], (B, b, k_cache.shape[1]))
+        ctx_ok = slot < ctx_len[:, None, None]
         blk_ok = jnp.ones((B, b, b), bool)
         if window is not None:
             # Sliding-window layers follow flash-attention's non-causal window, which is how
             # the reference runs them: a query at p sees keys at p - (w-1) .. p + (w-1).
-            ctx_ok &= slot > positions[:, :, None] - window
+            ctx_ok = ctx_ok & (slot > positions[:, :, None] - window)
             blk_ok = jnp.abs(positions[:, :, None] - positions[:, None, :]) < window
-        mask = jnp.concatenate([ctx_ok, blk_ok], axis=-1)
+        # Scores against the cached context and against the block are computed separately and
+        # share one softmax, so the cache is read in place instead of copied into [ctx ; block].
         G = H // KVH
         qg = q.reshape(B, b, KVH, G, hd)
-        s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-        s = jnp.where(mask[:, None, None], s * softmax_scale(cfg), NEG_INF)
-        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", p, v).reshape(B, b, H * hd)
+
+        def scores(keys, ok):
+            s = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32)
+            return jnp.where(ok[:, None, None], s * softmax_scale(cfg), NEG_INF)
+
+        s = jnp.concatenate([scores(k_cache, ctx_ok), scores(kb.astype(k_cache.dtype), blk_ok)], -1)
+        p = jax.nn.softmax(s, axis=-1).astype(v_cache.dtype)
+        S = k_cache.shape[1]
+        out = jnp.einsum("bkgts,bskd->btkgd", p[..., :S], v_cache)
+        out = out + jnp.einsum("bkgts,bskd->btkgd", p[..., S:], vb.astype(v_cache.dtype))
+        out = out.reshape(B, b, H * hd)
         return self.o(out)
 
 
