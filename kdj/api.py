@@ -18,6 +18,8 @@ from kdj.config import ModelConfig
 from kdj.decode import autoregressive as ar
 from kdj.decode import dflash
 from kdj.models.drafter import DrafterConfig
+from kdj.sharding import Sharding
+from kdj.sharding.apply import as_sharding, mark_experts, shard_cache, shard_model
 from kdj.tokenizer import Tokenizer, load_tokenizer
 
 BUILTIN_TARGETS = ("smollm2-135m-instruct",)
@@ -34,7 +36,7 @@ class Target:
     dtype: Any
     name: str = ""
     tokenizer: Tokenizer | None = None
-    mesh: Any = None
+    sharding: Sharding | None = None  # mesh + rules the params live on (None: one device)
 
     @property
     def model(self):
@@ -42,9 +44,13 @@ class Target:
 
     @staticmethod
     def from_model(model, name="", tokenizer=None, mesh=None) -> Target:
+        """Wrap an NNX model; with `mesh` (Sharding, MeshConfig or YAML) shard it first."""
+        sharding = as_sharding(mesh)
+        if sharding is not None:
+            shard_model(model, sharding)
         graphdef, state = nnx.split(model)
         dtype = model.embed[...].dtype
-        return Target(model.cfg, graphdef, state, dtype, name, tokenizer, mesh)
+        return Target(model.cfg, graphdef, state, dtype, name, tokenizer, sharding)
 
 
 @dataclasses.dataclass
@@ -64,6 +70,8 @@ def load_target(source, dtype="bfloat16", mesh=None) -> Target:
     from kdj.checkpoints.orbax import is_orbax_dir, restore
 
     dtype = jnp.dtype(dtype)
+    sharding = as_sharding(mesh)
+    mesh_kw = {} if sharding is None else {"mesh": sharding.mesh, "rules": sharding.rules}
     src = str(source)
     if src in BUILTIN_TARGETS:
         source = smollm2_gguf_path()
@@ -79,28 +87,26 @@ def load_target(source, dtype="bfloat16", mesh=None) -> Target:
             raise ValueError(f"{path}: a target file must be .gguf (or pass a checkpoint dir)")
         hf_cfg, tensors = read_gguf(path)
         cfg = ModelConfig.from_hf(hf_cfg)
-        model = load_params(cfg, tensors, dtype=dtype, mesh=mesh, desc=f"loading {path.name}")
+        model = load_params(cfg, tensors, dtype=dtype, desc=f"loading {path.name}", **mesh_kw)
         tokenizer = load_tokenizer(path)
     elif is_orbax_dir(path):
-        model = restore(path, dtype=dtype, mesh=mesh)
+        model = restore(path, dtype=dtype, **mesh_kw)
         cfg = model.cfg
     else:
         ckpt = HFCheckpoint(path)
         cfg = ModelConfig.from_json(ckpt.config_path)
         model = load_params(
-            cfg,
-            ckpt.tensors(),
-            dtype=dtype,
-            mesh=mesh,
-            total=len(ckpt),
-            desc=f"loading {path.name}",
-        )
+            cfg, ckpt.tensors(), dtype=dtype, total=len(ckpt), desc=f"loading {path.name}",
+            **mesh_kw,
+        )  # fmt: skip
     if tokenizer is None:
         try:
             tokenizer = load_tokenizer(path)
         except (FileNotFoundError, ValueError):
             tokenizer = None  # weights without a tokenizer are fine for token-id prompts
-    return Target.from_model(model, name=path.name, tokenizer=tokenizer, mesh=mesh)
+    mark_experts(model, sharding)
+    graphdef, state = nnx.split(model)
+    return Target(model.cfg, graphdef, state, dtype, path.name, tokenizer, sharding)
 
 
 @dataclasses.dataclass
@@ -116,10 +122,15 @@ class Drafter:
     def model(self):
         return nnx.merge(self.graphdef, self.state)
 
+    sharding: Sharding | None = None
+
     @staticmethod
-    def from_model(model, name="") -> Drafter:
+    def from_model(model, name="", mesh=None) -> Drafter:
+        sharding = as_sharding(mesh)
+        if sharding is not None:
+            shard_model(model, sharding)
         graphdef, state = nnx.split(model)
-        return Drafter(model.cfg, graphdef, state, name)
+        return Drafter(model.cfg, graphdef, state, name, sharding)
 
     def save(self, path) -> Path:
         """Write the published DFlash checkpoint format (config.json + model.safetensors)."""
@@ -137,7 +148,9 @@ def load_drafter(source, target: Target | None = None, dtype=None, mesh=None) ->
     path = Path(source)
     if not path.exists():
         raise FileNotFoundError(f"drafter {str(source)!r} not found (give a DFlash checkpoint dir)")
-    drafter = Drafter.from_model(load_drafter_checkpoint(path, dtype, mesh), name=path.name)
+    if mesh is None and target is not None:
+        mesh = target.sharding  # the drafter lives on its target's mesh
+    drafter = Drafter.from_model(load_drafter_checkpoint(path, dtype), path.name, mesh)
     if target is not None:
         _check_pair(target, drafter, None)
     return drafter
@@ -277,12 +290,21 @@ def generate(
         block_size = _check_pair(target, drafter, block_size)
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1 (got {temperature}, {top_p})")
+    if mesh is not None and as_sharding(mesh) != target.sharding:
+        raise ValueError("the target lives on another mesh: load it with load_target(mesh=...)")
+    sharding = target.sharding
+    if method == "dflash" and sharding is not None and drafter.sharding != sharding:
+        drafter = Drafter.from_model(drafter.model, drafter.name, sharding)
     tokenizer = tokenizer or target.tokenizer
     ids = _as_token_lists(target, prompts, tokenizer)
     B = len(ids)
     max_new = [int(m) for m in _per_sequence(max_new_tokens, B, "max_new_tokens")]
     if min(max_new) < 1:
         raise ValueError("max_new_tokens must be >= 1")
+    # A batch split over devices must divide evenly: pad with one-token dummy sequences.
+    shards = 1 if sharding is None else sharding.size("batch")
+    pad = -B % shards
+    ids, max_new = ids + [[0]] * pad, max_new + [1] * pad
     lens = [len(p) for p in ids]
     need = max(n + m for n, m in zip(lens, max_new))
     capacity = cache_size or _round_up(need, 128)
@@ -299,9 +321,10 @@ def generate(
         )
     default_stop = tokenizer.stop_ids if tokenizer is not None else target.cfg.eos_token_ids
     stop = jnp.asarray(_stop_matrix(stop_tokens, B, sorted(default_stop)))
+    stop = jnp.concatenate([stop, jnp.full((pad, stop.shape[1]), -1, jnp.int32)])
 
     P = _round_up(max(lens), 16)  # bucket prompt lengths so similar batches share a compile
-    tokens = np.zeros((B, P), np.int32)
+    tokens = np.zeros((B + pad, P), np.int32)
     for i, p in enumerate(ids):
         tokens[i, : len(p)] = p
     sampling = dict(
@@ -313,7 +336,7 @@ def generate(
     res = run(target, jnp.asarray(tokens), jnp.asarray(lens, jnp.int32), capacity,
               jnp.asarray(max_new, jnp.int32), stop, sampling, temperature == 0.0)  # fmt: skip
 
-    n_out = res["n_out"]
+    n_out = res["n_out"][:B]
     toks = [res["out"][b, : n_out[b]].tolist() for b in range(B)]
     texts = None
     if tokenizer is not None:
@@ -321,7 +344,7 @@ def generate(
         texts = [tokenizer.decode([t for t in seq if t not in stops]) for seq in toks]
     new = int(n_out.sum())
     # taus[b]: tokens committed per decode step while sequence b was running
-    taus = [[int(t) for t in row if t > 0] for row in res["taus"]]
+    taus = [[int(t) for t in row if t > 0] for row in res["taus"][:B]]
     flat = [t for row in taus for t in row]
     decode_s = res["decode_s"]
     stats = {
@@ -356,7 +379,7 @@ def _timed(prefill, decode):
 def _run_ar(target, tokens, lens, capacity, max_new, stop, sampling, greedy):
     key, temp, topp = sampling["key"], sampling["temperature"], sampling["top_p"]
     B = tokens.shape[0]
-    cache = init_cache(target.cfg, B, capacity, target.dtype)
+    cache = shard_cache(init_cache(target.cfg, B, capacity, target.dtype), target.sharding)
     t0 = time.perf_counter()
     pre = _compiled(ar.prefill_and_sample, target.graphdef, target.state, tokens, lens, cache,
                     key, temp, topp, greedy=greedy)  # fmt: skip
@@ -377,8 +400,10 @@ def _run_dflash(drafter, block_size, target, tokens, lens, capacity, max_new, st
                 greedy):  # fmt: skip
     key, temp, topp = sampling["key"], sampling["temperature"], sampling["top_p"]
     B = tokens.shape[0]
-    tcache = init_cache(target.cfg, B, capacity, target.dtype)
-    dcache = init_cache(drafter.cfg.layers, B, capacity, target.dtype)
+    tcache = shard_cache(init_cache(target.cfg, B, capacity, target.dtype), target.sharding)
+    dcache = shard_cache(
+        init_cache(drafter.cfg.layers, B, capacity, target.dtype), drafter.sharding
+    )
     tg, ts, dg, ds = target.graphdef, target.state, drafter.graphdef, drafter.state
     t0 = time.perf_counter()
     pre = _compiled(dflash.prefill, tg, ts, dg, ds, tokens, lens, tcache, dcache, key, temp, topp,

@@ -1,10 +1,20 @@
-"""Shared fixtures: the real SmolLM2-135M-Instruct weights, read once per test session."""
+"""Shared fixtures: the real SmolLM2-135M-Instruct weights, read once per test session.
+
+The whole session runs with 8 virtual CPU devices (set before JAX starts), so the sharding
+tests can build real meshes; everything else runs on the default device as usual.
+"""
 
 from __future__ import annotations
 
-import pytest
+import os
 
-from kdj.checkpoints import gguf as kg
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+import pytest  # noqa: E402
+
+from kdj.checkpoints import gguf as kg  # noqa: E402
 
 
 def _smollm2_path():

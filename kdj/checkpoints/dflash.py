@@ -124,7 +124,7 @@ def drafter_targets(name: str, x: np.ndarray):
     raise ValueError(f"unexpected tensor {name!r} in a DFlash drafter checkpoint")
 
 
-def load_drafter_checkpoint(path, dtype=jnp.bfloat16, mesh=None) -> Drafter:
+def load_drafter_checkpoint(path, dtype=jnp.bfloat16) -> Drafter:
     ckpt = HFCheckpoint(path)
     try:
         cfg = drafter_config_from_hf(json.loads(ckpt.config_path.read_text()))
@@ -132,7 +132,7 @@ def load_drafter_checkpoint(path, dtype=jnp.bfloat16, mesh=None) -> Drafter:
         raise ValueError(f"corrupt {ckpt.config_path}: {e}") from None
     skeleton = nnx.eval_shape(lambda: build_drafter(cfg, dtype))
     return fill_params(
-        skeleton, ckpt.tensors(), drafter_targets, mesh=mesh, total=len(ckpt),
+        skeleton, ckpt.tensors(), drafter_targets, total=len(ckpt),
         desc=f"loading drafter {Path(path).name}",
     )  # fmt: skip
 

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from kdj.config import ModelConfig
 from kdj.models.transformer import Transformer, abstract_model
-from kdj.sharding import ShardingRules, named_sharding, single_device_rules
+from kdj.sharding import ShardingRules, check_fits, named_sharding, single_device_rules
 
 _MLA = {"q_proj": "q_proj", "q_a_proj": "q_a", "q_b_proj": "q_b", "kv_a_proj_with_mqa": "kv_a",
         "o_proj": "o"}  # fmt: skip
@@ -150,6 +150,8 @@ def fill_params(
     """
     kind = type(skeleton).__name__
     rules = rules or single_device_rules()
+    if mesh is not None:
+        check_fits(skeleton, mesh, rules)  # before reading a single tensor
     graphdef, state = nnx.split(skeleton)
     slots = dict(nnx.to_flat_state(state))
     filled: set[tuple] = set()

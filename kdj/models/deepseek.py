@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from kdj import cache as kvc
 from kdj.config import ModelConfig
@@ -155,15 +156,65 @@ class MoE(nnx.Module):
         n_shared = cfg.n_shared_experts
         self.shared = MLP(D, I * n_shared, dtype=dtype, rngs=rngs) if n_shared else None
         self.cfg = cfg
+        self.shard = None  # a kdj.sharding.Sharding when experts are spread over a mesh
 
     def __call__(self, x):
         B, T, D = x.shape
         flat = x.reshape(B * T, D)
         bias = None if self.bias is None else self.bias[...]
         w, idx = route(flat, self.router[...], bias, self.cfg)
-        E, k = self.cfg.n_routed_experts, self.cfg.num_experts_per_tok
-        few = B * T * k <= GATHER_MAX_ASSIGNMENTS_PER_EXPERT * E  # static: decided at trace time
-        experts = expert_swiglu_gathered if few else expert_swiglu
-        out = experts(flat, w, idx, self.w_gate_up[...], self.w_down[...])
+        weights = (self.w_gate_up[...], self.w_down[...])
+        if self.shard is None:
+            out = local_experts(flat, w, idx, *weights, first=0)
+        else:
+            out = sharded_experts(self.shard, flat, w, idx, *weights)
         out = out.reshape(B, T, D)
         return out if self.shared is None else out + self.shared(x)
+
+
+def local_experts(x, weights, idx, w_gate_up, w_down, first):
+    """Tokens x [N, D] through the experts held here: global ids first .. first + E_local - 1.
+
+    Assignments to other experts get weight 0 (another shard computes them). The path is
+    chosen at trace time from static shapes: gathering the selected experts' weights for a
+    handful of tokens, grouped GEMMs otherwise.
+    """
+    E_local = w_gate_up.shape[0]
+    local = idx - first
+    mine = (local >= 0) & (local < E_local)
+    weights = jnp.where(mine, weights, 0.0)
+    local = jnp.where(mine, local, 0)
+    few = idx.size <= GATHER_MAX_ASSIGNMENTS_PER_EXPERT * E_local
+    experts = expert_swiglu_gathered if few else expert_swiglu
+    return experts(x, weights, local, w_gate_up, w_down)
+
+
+def sharded_experts(shard, x, weights, idx, w_gate_up, w_down):
+    """Expert parallelism with shard_map: each device computes its own experts (and, under
+    tensor-parallel rules, its slice of each expert's FFN) for the tokens it holds, then the
+    partial outputs are summed over the expert (and FFN) axes. When the batch is also split
+    over the expert axis (data-parallel attention), tokens are first gathered across it and
+    the sum is scattered back (psum_scatter)."""
+    r = shard.rules
+    e_ax, f_ax, b_ax = r.experts, r.moe_mlp, r.batch
+    if x.shape[0] % shard.size("batch"):
+        b_ax = None  # a token count the batch axes do not divide: tokens stay replicated
+    b_names = (b_ax,) if isinstance(b_ax, str) else tuple(b_ax or ())
+    gather = e_ax is not None and e_ax in b_names
+    tok = P(b_ax, None)
+
+    def body(x, weights, idx, wgu, wd):
+        if gather:
+            x, weights, idx = (jax.lax.all_gather(a, e_ax, tiled=True) for a in (x, weights, idx))
+        first = 0 if e_ax is None else jax.lax.axis_index(e_ax) * wgu.shape[0]
+        y = local_experts(x, weights, idx, wgu, wd, first)
+        if f_ax is not None:
+            y = jax.lax.psum(y, f_ax)
+        if gather:
+            return jax.lax.psum_scatter(y, e_ax, scatter_dimension=0, tiled=True)
+        return y if e_ax is None else jax.lax.psum(y, e_ax)
+
+    return jax.shard_map(
+        body, mesh=shard.mesh, check_vma=False,
+        in_specs=(tok, tok, tok, P(e_ax, None, None, f_ax), P(e_ax, f_ax, None)), out_specs=tok,
+    )(x, weights, idx, w_gate_up, w_down)  # fmt: skip
