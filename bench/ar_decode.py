@@ -33,6 +33,7 @@ from kdj.config import ModelConfig, load_yaml
 from kdj.models.transformer import build_model
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "models"
+SINGLE = Path(__file__).resolve().parent.parent / "configs" / "meshes" / "single.yaml"
 
 
 def copy_bandwidth(gib: float = 4.0) -> float:
@@ -108,6 +109,10 @@ def run(args):
             prompts = rng.integers(0, target.cfg.vocab_size, (batch, args.prompt_len)).tolist()
             runs = timed_runs(target, prompts, args)
             s = runs[1:]
+            if args.single_mesh_ab:  # the same model placed on a 1-device mesh (sharding layer on)
+                on_mesh = kdj.Target.from_model(target.model, name, target.tokenizer, mesh=SINGLE)
+                mesh_runs = timed_runs(on_mesh, prompts, args)[1:]
+                del on_mesh
             decode_s = statistics.median(r["decode_s"] for r in s)
             steps = s[0]["steps"]
             step_ms = decode_s / steps * 1e3
@@ -122,6 +127,10 @@ def run(args):
                 "frac_of_copy_bw": acc["total"] / (step_ms / 1e3) / bw,
                 "floor_ms": acc["total"] / bw * 1e3,
             }  # fmt: skip
+            if args.single_mesh_ab:
+                row["step_ms_single_device_mesh"] = (
+                    statistics.median(r["decode_s"] for r in mesh_runs) / steps * 1e3
+                )
             rows.append(row)
             if args.dump_hlo:  # the compiled decode loop, to count kernels per step
                 for key, exe in kdj.api._EXECUTABLES.items():
@@ -131,6 +140,11 @@ def run(args):
                 f"{name:>18} ({weights}) B={batch:<3} {row['tok_s']:9.1f} tok/s  "
                 f"step {step_ms:7.3f} ms  floor {row['floor_ms']:6.3f} ms  "
                 f"{row['achieved_TBps']:.2f} TB/s = {100 * row['frac_of_copy_bw']:.0f}% of copy bw"
+                + (
+                    f"  | on a 1-device mesh: {row['step_ms_single_device_mesh']:.3f} ms"
+                    if args.single_mesh_ab
+                    else ""
+                )  # fmt: skip
             )
         del target
     result = {
@@ -154,6 +168,8 @@ def main(argv=None):
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--smollm2-gguf", help="path to SmolLM2-135M-Instruct.Q4_1.gguf")
+    p.add_argument("--single-mesh-ab", action="store_true",
+                   help="also time each case with the model on a 1-device mesh")  # fmt: skip
     p.add_argument("--out")
     p.add_argument("--dump-hlo", help="directory for the compiled decode loops' HLO")
     args = p.parse_args(argv)
