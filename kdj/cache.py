@@ -53,11 +53,6 @@ def init_cache(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16) 
     return KVCache(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32))
 
 
-def cache_bytes(cfg: ModelConfig, batch: int, capacity: int, itemsize: int = 2) -> int:
-    per_tok = cfg.latent_dim if cfg.family == "deepseek" else 2 * cfg.num_kv_heads * cfg.head_dim
-    return cfg.num_layers * batch * capacity * per_tok * itemsize
-
-
 def write(layer_cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
     """Scatter new [B, T, ...] into layer_cache [B, S, ...] at positions [B, T].
 

@@ -165,9 +165,5 @@ class Drafter(nnx.Module):
         return self.norm(x)
 
 
-def init_drafter_cache(cfg: DrafterConfig, batch: int, capacity: int, dtype) -> kvc.KVCache:
-    return kvc.init_cache(cfg.layers, batch, capacity, dtype)
-
-
 def build_drafter(cfg: DrafterConfig, dtype=jnp.bfloat16, seed: int = 0) -> Drafter:
     return Drafter(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -100,7 +99,3 @@ def build_model(cfg: ModelConfig, dtype=jnp.bfloat16, seed: int = 0) -> Transfor
 def abstract_model(cfg: ModelConfig, dtype=jnp.bfloat16) -> Transformer:
     """Shapes and dtypes only (no memory): the skeleton a checkpoint is loaded into."""
     return nnx.eval_shape(lambda: build_model(cfg, dtype))
-
-
-def param_count(model: Transformer) -> int:
-    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
