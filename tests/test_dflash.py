@@ -31,11 +31,7 @@ def make_drafter(target, layers=2, block=6, seed=0, ids=None, mask=None):
         target_layer_ids=ids or default_target_layer_ids(t.num_layers, layers),
         num_target_layers=t.num_layers,
     )  # fmt: skip
-    return kdj.Drafter.from_model(build_drafter(cfg, t_dtype(target), seed=seed))
-
-
-def t_dtype(target):
-    return target.dtype
+    return kdj.Drafter.from_model(build_drafter(cfg, target.dtype, seed=seed))
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "deepseek_v3"])

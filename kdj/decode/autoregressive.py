@@ -21,7 +21,7 @@ from kdj.decode.sampling import sample
 
 def prefill(model, tokens, prompt_lens, cache: KVCache):
     """tokens [B, P] right-padded, prompt_lens [B] -> (logits at each prompt's last token
-    [B, V], cache with the prompts written and lengths = prompt_lens, taps or None)."""
+    [B, V], cache with the prompts written and lengths = prompt_lens)."""
     B, P = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     logits, cache, _ = model(tokens, positions, cache, logits_at=(prompt_lens - 1)[:, None])
