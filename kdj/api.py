@@ -16,7 +16,7 @@ from flax import nnx
 from kdj.cache import init_cache
 from kdj.config import ModelConfig
 from kdj.decode import autoregressive as ar
-from kdj.decode import dflash
+from kdj.decode import speculative
 from kdj.models.drafter import DrafterConfig
 from kdj.sharding import Sharding
 from kdj.sharding.apply import as_sharding, mark_experts, shard_cache, shard_model
@@ -24,6 +24,7 @@ from kdj.tokenizer import Tokenizer, load_tokenizer
 
 BUILTIN_TARGETS = ("smollm2-135m-instruct",)
 METHODS = ("ar", "dflash", "ddtree", "auto")
+DEFAULT_TREE_BUDGET = 64  # DDTree nodes per step when the caller gives none
 
 
 @dataclasses.dataclass
@@ -61,12 +62,17 @@ class GenerateOutput:
 
 
 # ------------------------------------------------------------------------------ loading
-def load_target(source, dtype="bfloat16", mesh=None) -> Target:
+def load_target(source, dtype="bfloat16", mesh=None, quantized_experts=False) -> Target:
     """Load a target from an HF safetensors dir, a .gguf file, a `kdj convert` Orbax dir, or a
-    built-in name ("smollm2-135m-instruct")."""
+    built-in name ("smollm2-135m-instruct").
+
+    quantized_experts: keep an HF checkpoint's INT4 (Kimi K2.5/K2.6) or FP8 block-scaled
+    (DeepSeek-V3, Kimi K2) routed experts quantised in device memory and dequantise inside the
+    expert compute, only for the experts the tokens route to (about 4x fewer expert bytes than
+    bf16 for INT4, 2x for FP8). Default: dequantise everything to `dtype` at load."""
     from kdj.checkpoints.gguf import read_gguf, smollm2_gguf_path
     from kdj.checkpoints.hf_safetensors import HFCheckpoint
-    from kdj.checkpoints.loader import load_params
+    from kdj.checkpoints.loader import load_hf, load_params
     from kdj.checkpoints.orbax import is_orbax_dir, restore
 
     dtype = jnp.dtype(dtype)
@@ -82,6 +88,8 @@ def load_target(source, dtype="bfloat16", mesh=None) -> Target:
             f" or one of the built-in names {BUILTIN_TARGETS}"
         )
     tokenizer = None
+    if quantized_experts and (path.is_file() or is_orbax_dir(path)):
+        raise ValueError("quantized_experts applies to HF safetensors checkpoint dirs only")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{path}: a target file must be .gguf (or pass a checkpoint dir)")
@@ -95,9 +103,9 @@ def load_target(source, dtype="bfloat16", mesh=None) -> Target:
     else:
         ckpt = HFCheckpoint(path)
         cfg = ModelConfig.from_json(ckpt.config_path)
-        model = load_params(
-            cfg, ckpt.tensors(), dtype=dtype, total=len(ckpt), desc=f"loading {path.name}",
-            **mesh_kw,
+        model = load_hf(
+            ckpt, cfg, dtype=dtype, quantized_experts=quantized_experts,
+            desc=f"loading {path.name}", **mesh_kw,
         )  # fmt: skip
     if tokenizer is None:
         try:
@@ -282,18 +290,23 @@ def generate(
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
     if method == "auto":
         method = "ar" if drafter is None else "dflash"
-    if method == "ddtree":
-        raise NotImplementedError("method 'ddtree' arrives with its own issue; use 'dflash'")
-    if method == "dflash" and drafter is None:
-        raise ValueError("method 'dflash' needs a drafter (kdj.load_drafter)")
-    if method == "dflash":
+    speculative_ = method in ("dflash", "ddtree")
+    if speculative_ and drafter is None:
+        raise ValueError(f"method {method!r} needs a drafter (kdj.load_drafter)")
+    if speculative_:
         block_size = _check_pair(target, drafter, block_size)
+    if method == "ddtree":
+        tree_budget = DEFAULT_TREE_BUDGET if tree_budget is None else int(tree_budget)
+        if tree_budget < 1:
+            raise ValueError(f"tree_budget must be >= 1 (got {tree_budget})")
+    elif tree_budget is not None:
+        raise ValueError(f"tree_budget applies to method 'ddtree', not {method!r}")
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1 (got {temperature}, {top_p})")
     if mesh is not None and as_sharding(mesh) != target.sharding:
         raise ValueError("the target lives on another mesh: load it with load_target(mesh=...)")
     sharding = target.sharding
-    if method == "dflash" and sharding is not None and drafter.sharding != sharding:
+    if speculative_ and sharding is not None and drafter.sharding != sharding:
         drafter = Drafter.from_model(drafter.model, drafter.name, sharding)
     tokenizer = tokenizer or target.tokenizer
     ids = _as_token_lists(target, prompts, tokenizer)
@@ -332,7 +345,11 @@ def generate(
         temperature=jnp.float32(max(temperature, 1e-6)),
         top_p=jnp.float32(top_p),
     )
-    run = _run_ar if method == "ar" else functools.partial(_run_dflash, drafter, block_size)
+    run = (
+        _run_ar
+        if method == "ar"
+        else functools.partial(_run_speculative, drafter, block_size, tree_budget or 0)
+    )
     res = run(target, jnp.asarray(tokens), jnp.asarray(lens, jnp.int32), capacity,
               jnp.asarray(max_new, jnp.int32), stop, sampling, temperature == 0.0)  # fmt: skip
 
@@ -361,8 +378,13 @@ def generate(
         # the first token of each sequence comes from prefill; decode produced the rest
         "tokens_per_s": (new - B) / decode_s if decode_s > 0 else float("nan"),
     }
-    if method == "dflash":
+    if speculative_:
         stats["block_size"] = block_size
+    if method == "ddtree":
+        sizes = [int(s) for row in res["sizes"][:B] for s in row if s > 0]
+        stats["tree_budget"] = tree_budget
+        stats["mean_tree_size"] = float(np.mean(sizes)) if sizes else float("nan")
+        stats["mean_accepted_depth"] = stats["mean_acceptance"] - 1
     return GenerateOutput(tokens=toks, texts=texts, stats=stats)
 
 
@@ -396,8 +418,8 @@ def _run_ar(target, tokens, lens, capacity, max_new, stop, sampling, greedy):
                 prefill_s=pre_s, decode_s=dec_s)  # fmt: skip
 
 
-def _run_dflash(drafter, block_size, target, tokens, lens, capacity, max_new, stop, sampling,
-                greedy):  # fmt: skip
+def _run_speculative(drafter, block_size, tree_budget, target, tokens, lens, capacity, max_new,
+                     stop, sampling, greedy):  # fmt: skip
     key, temp, topp = sampling["key"], sampling["temperature"], sampling["top_p"]
     B = tokens.shape[0]
     tcache = shard_cache(init_cache(target.cfg, B, capacity, target.dtype), target.sharding)
@@ -406,19 +428,19 @@ def _run_dflash(drafter, block_size, target, tokens, lens, capacity, max_new, st
     )
     tg, ts, dg, ds = target.graphdef, target.state, drafter.graphdef, drafter.state
     t0 = time.perf_counter()
-    pre = _compiled(dflash.prefill, tg, ts, dg, ds, tokens, lens, tcache, dcache, key, temp, topp,
-                    greedy=greedy)  # fmt: skip
+    pre = _compiled(speculative.prefill, tg, ts, dg, ds, tokens, lens, tcache, dcache, key, temp,
+                    topp, greedy=greedy)  # fmt: skip
     first_shape = jax.ShapeDtypeStruct((B,), jnp.int32)
-    dec = _compiled(dflash.decode_loop, tg, ts, dg, ds, tcache, dcache, first_shape, max_new, stop,
-                    key, temp, topp, greedy=greedy, max_steps=int(max_new.max()),
-                    block_size=block_size)  # fmt: skip
+    dec = _compiled(speculative.decode_loop, tg, ts, dg, ds, tcache, dcache, first_shape, max_new,
+                    stop, key, temp, topp, greedy=greedy, max_steps=int(max_new.max()),
+                    block_size=block_size, tree_budget=tree_budget)  # fmt: skip
     compile_s = time.perf_counter() - t0
-    (out, n_out, taus, steps, _, _), pre_s, dec_s = _timed(
+    (out, n_out, taus, sizes, steps, _, _), pre_s, dec_s = _timed(
         lambda: pre(ts, ds, tokens, lens, tcache, dcache, key, temp, topp),
         lambda r: dec(ts, ds, r[1], r[2], r[0], max_new, stop, key, temp, topp),
     )
-    return dict(out=out, n_out=n_out, steps=int(steps), taus=taus, compile_s=compile_s,
-                prefill_s=pre_s, decode_s=dec_s)  # fmt: skip
+    return dict(out=out, n_out=n_out, steps=int(steps), taus=taus, sizes=sizes,
+                compile_s=compile_s, prefill_s=pre_s, decode_s=dec_s)  # fmt: skip
 
 
 def forward(target: Target, token_ids) -> np.ndarray:
@@ -452,6 +474,5 @@ def _forward(graphdef, state, tokens, taps=()):
     model = nnx.merge(graphdef, state)
     B, T = tokens.shape
     cache = init_cache(model.cfg, B, T, model.embed[...].dtype)
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    logits, _, tapped = model(tokens, positions, cache, taps=taps)
+    logits, _, tapped = model(tokens, jnp.zeros((B,), jnp.int32), cache, taps=taps)
     return logits, tapped

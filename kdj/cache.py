@@ -53,16 +53,21 @@ def init_cache(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16) 
     return KVCache(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32))
 
 
-def write(layer_cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
-    """Scatter new [B, T, ...] into layer_cache [B, S, ...] at positions [B, T].
+def write(layer_cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """Write new [B, T, ...] into layer_cache [B, S, ...] at slots start[b] .. start[b] + T - 1.
 
-    Positions outside [0, S) are dropped (never clamped onto a valid slot); callers check
+    Slots outside [0, S) are dropped (never clamped onto a valid slot); callers check
     capacity up front so only padding can fall there.
     """
-    b = jnp.arange(new.shape[0])[:, None]
-    return layer_cache.at[b, positions].set(new.astype(layer_cache.dtype), mode="drop")
+    B, T = new.shape[:2]
+    slots = start[:, None] + jnp.arange(T, dtype=jnp.int32)
+    b = jnp.arange(B)[:, None]
+    return layer_cache.at[b, slots].set(new.astype(layer_cache.dtype), mode="drop")
 
 
-def causal_mask(positions: jax.Array, capacity: int) -> jax.Array:
-    """[B, T, S] mask: query at position p sees cache slots 0..p (its own write included)."""
-    return jnp.arange(capacity)[None, None, :] <= positions[:, :, None]
+def gather_rows(layer_cache: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+    """Copy rows layer_cache[b, src[b, j]] to slots dst[b, j] ([B, N] int32), all rows read
+    before any is written (so overlapping moves are safe). Out-of-range dst are dropped."""
+    b = jnp.arange(layer_cache.shape[0])[:, None]
+    rows = layer_cache[b, jnp.clip(src, 0, layer_cache.shape[1] - 1)]
+    return layer_cache.at[b, dst].set(rows, mode="drop")

@@ -18,6 +18,7 @@ DEFAULTS = {
         "top_p": 1.0,
         "seed": 0,
         "block_size": None,
+        "tree_budget": None,
     },
 }
 
@@ -54,7 +55,8 @@ def cmd_generate(args) -> int:
     if args.no_chat:
         run["chat"] = False
     dec = run["decode"]
-    for key in ("method", "max_new_tokens", "temperature", "top_p", "seed", "block_size"):
+    keys = ("method", "max_new_tokens", "temperature", "top_p", "seed", "block_size", "tree_budget")
+    for key in keys:
         if getattr(args, key) is not None:
             dec[key] = getattr(args, key)
     target = kdj.load_target(run["target"], dtype=_dtype(run["dtype"]))
@@ -73,6 +75,11 @@ def cmd_generate(args) -> int:
     if s["method"] != "ar":
         hist = " ".join(f"{k + 1}:{n}" for k, n in enumerate(s["acceptance_histogram"]) if n)
         print(f"--- tokens per step (tau) histogram: {hist}")
+    if s["method"] == "ddtree":
+        print(
+            f"--- tree budget {s['tree_budget']}, mean tree size {s['mean_tree_size']:.1f}, "
+            f"mean accepted depth {s['mean_accepted_depth']:.2f}"
+        )
     print(
         f"--- {s['method']}: {s['new_tokens']} tokens in {s['steps']} steps, "
         f"mean acceptance {s['mean_acceptance']:.2f}, {s['tokens_per_s']:.1f} tok/s decode "
@@ -92,6 +99,64 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    """Forward every argument to bench/roofline.py (it lives in the source checkout)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "roofline.py"
+    if not path.exists():
+        raise SystemExit(f"kdj bench needs a kdj source checkout ({path} is missing)")
+    spec = importlib.util.spec_from_file_location("kdj_bench_roofline", path)
+    roofline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(roofline)
+    roofline.main(args.args)
+    return 0
+
+
+def cmd_train_drafter(args) -> int:
+    from kdj.train.config import TrainConfig
+    from kdj.train.loop import run_training
+
+    cfg = TrainConfig.from_yaml(args.config)
+    for key in ("target", "out_dir"):
+        if getattr(args, key) is not None:
+            setattr(cfg, key, getattr(args, key))
+    if args.steps is not None:
+        cfg.optim.steps = args.steps
+    if args.max_minutes is not None:
+        cfg.optim.max_minutes = args.max_minutes
+    run_training(cfg)
+    return 0
+
+
+def cmd_eval_acceptance(args) -> int:
+    import kdj
+    from kdj.train import evaluate
+    from kdj.train.loop import chat_prompts
+
+    target = kdj.load_target(args.target, dtype=_dtype(args.dtype))
+    drafter = kdj.load_drafter(args.drafter, target=target)
+    if args.prompts:  # eval_prompts.json written by train-drafter: no dataset packages needed
+        texts = json.loads(open(args.prompts).read())
+    else:
+        from kdj.train.data import humaneval_prompts, sharegpt_split
+
+        texts = {"sharegpt": [m for _, m in sharegpt_split()[1]], "humaneval": humaneval_prompts()}
+    n, tok = args.num_prompts, target.tokenizer
+    datasets = {name: chat_prompts(tok, texts[name][:n], args.max_prompt_tokens)
+                for name in ("sharegpt", "humaneval") if texts.get(name)}  # fmt: skip
+    meta = {"target": args.target, "drafter": args.drafter, "num_prompts": n,
+            "max_new_tokens": args.max_new_tokens}  # fmt: skip
+    report = evaluate.eval_acceptance(
+        target, drafter, datasets, budgets=args.budgets, temperatures=args.temperatures,
+        max_new_tokens=args.max_new_tokens, out_dir=args.out, meta=meta,
+    )  # fmt: skip
+    js, png = evaluate.write_report(report, args.out, meta)
+    print(f"wrote {js} and {png}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="kdj", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -101,6 +166,7 @@ def main(argv=None) -> int:
     g.add_argument("--target", help="HF dir, .gguf, kdj convert dir or built-in name")
     g.add_argument("--drafter", help="DFlash drafter checkpoint dir (published format)")
     g.add_argument("--block-size", type=int, help="run the drafter at a smaller block")
+    g.add_argument("--tree-budget", type=int, help="DDTree: draft-tree nodes per step")
     g.add_argument("--dtype", help="float32 | bfloat16 | auto")
     g.add_argument("--method", choices=["ar", "dflash", "ddtree", "auto"])
     g.add_argument("--max-new-tokens", type=int)
@@ -114,6 +180,30 @@ def main(argv=None) -> int:
     c.add_argument("dest")
     c.add_argument("--dtype", default="bfloat16")
     c.set_defaults(fn=cmd_convert)
+    # "+" as its only prefix: every "--option" after `bench` is passed through untouched.
+    b = sub.add_parser("bench", help="roofline of one target step (bench/roofline.py --help)",
+                       add_help=False, prefix_chars="+")  # fmt: skip
+    b.add_argument("args", nargs=argparse.REMAINDER, help="bench/roofline.py arguments")
+    b.set_defaults(fn=cmd_bench)
+    t = sub.add_parser("train-drafter", help="train a DFlash drafter for a target (kdj.train)")
+    t.add_argument("--config", required=True, help="training YAML, e.g. configs/train/*.yaml")
+    t.add_argument("--target", help="override the config's target")
+    t.add_argument("--out-dir", help="override the config's out_dir")
+    t.add_argument("--steps", type=int, help="override optim.steps")
+    t.add_argument("--max-minutes", type=float, help="stop (checkpoint + export) after this")
+    t.set_defaults(fn=cmd_train_drafter)
+    e = sub.add_parser("eval-acceptance", help="tau and speed of DFlash / DDTree vs AR")
+    e.add_argument("--drafter", required=True, help="DFlash drafter checkpoint dir")
+    e.add_argument("--target", default="smollm2-135m-instruct")
+    e.add_argument("--dtype", default="auto")
+    e.add_argument("--out", default="out/acceptance", help="folder for the JSON and PNG")
+    e.add_argument("--prompts", help="eval_prompts.json (default: read the dataset packages)")
+    e.add_argument("--num-prompts", type=int, default=16)
+    e.add_argument("--max-prompt-tokens", type=int, default=512)
+    e.add_argument("--max-new-tokens", type=int, default=256)
+    e.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128, 256])
+    e.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    e.set_defaults(fn=cmd_eval_acceptance)
     args = p.parse_args(argv)
     return args.fn(args)
 

@@ -43,7 +43,7 @@ def test_two_draft_steps_match_reference(name, tol, tmp_path):
         p = f"step{step}_"
         ctx_pos = ref[p + "ctx_positions"]
         cache = drafter.add_context(jnp.asarray(ref[p + "ctx_features"])[None],
-                                    jnp.asarray(ctx_pos)[None], cache)  # fmt: skip
+                                    jnp.asarray(ctx_pos[:1]), cache)  # fmt: skip
         cache = cache.with_lengths(jnp.asarray([ctx_pos[-1] + 1]))
         block = embed[ref[p + "block_ids"]][None]
         h = np.asarray(drafter(jnp.asarray(block), jnp.asarray(ref[p + "block_positions"])[None],

@@ -133,7 +133,7 @@ def test_rollback_by_length(target):
     cache = cache.with_lengths(jnp.asarray([len(prompt) - 1]))  # keep prompt[:-1] only
     # re-feed the prompt's last token on top of the rolled-back cache, then decode
     logits, cache, _ = target.model(tokens[:, len(prompt) - 1 : len(prompt)],
-                                    cache.lengths[:, None], cache)  # fmt: skip
+                                    cache.lengths, cache)  # fmt: skip
     cache = cache.with_lengths(cache.lengths + 1)
     first = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
     out, n, _, _ = ar.decode_loop(

@@ -13,7 +13,7 @@ import pytest
 import kdj
 from kdj.sharding import MeshConfig, axis_size, make_mesh
 from tests.hf_models import build
-from tests.test_dflash import make_drafter
+from tests.test_speculative import make_drafter
 
 MESHES = Path(__file__).resolve().parent.parent / "configs" / "meshes"
 NAMES = ["tp8", "ep8", "ep4-tp2", "dp2-ep4", "dp2-ep4-dpattn"]
@@ -37,6 +37,9 @@ def reference(ckpt):
     sp = kdj.generate(target, prompts, drafter=drafter, method="dflash", max_new_tokens=24,
                       stop_tokens=[])  # fmt: skip
     assert sp.tokens == ar.tokens
+    tree = kdj.generate(target, prompts, drafter=drafter, method="ddtree", tree_budget=8,
+                        max_new_tokens=24, stop_tokens=[])  # fmt: skip
+    assert tree.tokens == ar.tokens
     ids = np.arange(30).reshape(2, 15) % VOCAB
     return dict(target=target, drafter=drafter, prompts=prompts, tokens=ar.tokens,
                 logits=kdj.forward(target, ids), ids=ids)  # fmt: skip
@@ -52,9 +55,10 @@ def test_same_tokens_on_every_mesh(name, ckpt, reference):
     ar = kdj.generate(target, prompts, method="ar", max_new_tokens=24, stop_tokens=[])
     assert ar.tokens == reference["tokens"]
     drafter = kdj.Drafter(*[getattr(reference["drafter"], f) for f in ("cfg", "graphdef", "state")])
-    sp = kdj.generate(target, prompts, drafter=drafter, method="dflash", max_new_tokens=24,
-                      stop_tokens=[])  # fmt: skip
-    assert sp.tokens == reference["tokens"]
+    for spec in ({"method": "dflash"}, {"method": "ddtree", "tree_budget": 8}):
+        sp = kdj.generate(target, prompts, drafter=drafter, max_new_tokens=24, stop_tokens=[],
+                          **spec)  # fmt: skip
+        assert sp.tokens == reference["tokens"], spec
 
 
 @pytest.mark.parametrize("name", NAMES)

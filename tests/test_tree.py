@@ -1,4 +1,5 @@
-"""DDTree's on-device tree build against brute-force enumeration of all prefixes."""
+"""DDTree's on-device tree build against brute-force enumeration of all prefixes; tree
+verify + compaction against plain decoding of the accepted path; shrinking at the cache end."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import itertools
 
 import jax
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -72,3 +74,72 @@ def test_batched_build_matches_single():
         single = build_tree(lp[b], 16)
         for k in single:
             np.testing.assert_array_equal(np.asarray(batched[k][b]), np.asarray(single[k]))
+
+
+# ------------------------------------------------------- verify and compaction on a target
+@pytest.fixture(scope="module", params=["qwen3", "deepseek_v3"])
+def target(request, tmp_path_factory):
+    import kdj
+    from tests.hf_models import build
+
+    path = tmp_path_factory.mktemp(request.param)
+    build(request.param, path, vocab_size=12, num_hidden_layers=2)
+    return kdj.load_target(path, dtype="float32")
+
+
+def test_tree_verify_and_compaction_equal_plain_decoding_of_the_path(target):
+    """Verify a DDTree over a prompt, take a path that leaves the chain order, compact: the
+    cache rows of prompt + root + path, and the logits along the path, must equal those of
+    plainly running those tokens causally."""
+    import jax.numpy as jnp
+
+    from kdj.cache import init_cache
+    from kdj.decode import tree as trees
+    from kdj.decode.autoregressive import prefill
+
+    model, V, S = target.model, target.cfg.vocab_size, 32
+    prompt = jnp.asarray([[3, 1, 4, 1, 5]], jnp.int32)
+    L = jnp.asarray([5], jnp.int32)
+    last = jnp.asarray([9], jnp.int32)
+    _, cache = prefill(model, prompt, L, init_cache(target.cfg, 1, S, jnp.float32))
+    lp = jax.nn.log_softmax(jax.random.normal(jax.random.key(0), (1, 3, V)) * 2, axis=-1)
+    tree = trees.build_trees(lp, 10)
+    tokens, positions, mask, valid = trees.verify_inputs(tree, last, L, S)
+    logits, cache, _ = model(tokens, L, cache, positions=positions, tree=mask)
+    # the deepest node listed last: its path is not 0, 1, 2, .. since depth 1 has siblings
+    parent, depth = np.asarray(tree["parent"][0]), np.asarray(tree["depth"][0])
+    node = int(np.flatnonzero(depth == depth.max())[-1])
+    chain = [node]
+    while parent[chain[-1]] >= 0:
+        chain.append(int(parent[chain[-1]]))
+    path = [0] + [i + 1 for i in reversed(chain)]  # verify indices, root first
+    assert path != list(range(len(path))), "pick a path that needs compaction"
+    a = len(path) - 1
+    cache = trees.compact(cache, jnp.asarray([path]), jnp.asarray([a]))
+
+    seq = jnp.concatenate([prompt, tokens[:, jnp.asarray(path)]], axis=1)  # prompt, root, path
+    n = seq.shape[1]
+    empty = init_cache(target.cfg, 1, S, jnp.float32)
+    plain_logits, plain, _ = model(seq, jnp.zeros((1,), jnp.int32), empty)
+    for got, want in zip(cache.k + cache.v, plain.k + plain.v):
+        np.testing.assert_allclose(got[:, :n], want[:, :n], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        logits[0, jnp.asarray(path)], plain_logits[0, 5:], atol=1e-4, rtol=1e-4
+    )
+
+
+def test_tree_shrinks_at_the_cache_end():
+    """Nodes whose slot would fall outside the cache leave the tree, deepest-last first, and
+    what remains is still prefix-closed."""
+    from kdj.decode import tree as trees
+
+    lp = jax.nn.log_softmax(jax.random.normal(jax.random.key(1), (2, 4, 7)), axis=-1)
+    tree = trees.build_trees(lp, 12)
+    start = np.array([10, 3], np.int32)
+    _, positions, mask, valid = trees.verify_inputs(tree, np.array([0, 0], np.int32), start, 16)
+    valid = np.asarray(valid)
+    assert valid[0].sum() == 16 - 10 - 1 and valid[1].all()
+    parent = np.asarray(tree["parent"])
+    for i in np.flatnonzero(valid[0]):
+        assert parent[0, i] < 0 or valid[0, parent[0, i]]
+    assert not np.asarray(mask)[0, 1:, 1:][~valid[0]].any()

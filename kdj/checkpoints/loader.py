@@ -4,6 +4,10 @@ Every checkpoint source (safetensors dir, GGUF file) yields (HF name, numpy arra
 module maps those names onto kdj's parameter tree (transposing torch [out, in] linears to
 [in, out], splitting MLA's kv_b_proj, stacking per-expert weights) and checks that every
 parameter was filled with the right shape.
+
+`load_hf(..., quantized_experts=True)` keeps a checkpoint's routed experts as stored (INT4
+packed or FP8 block-scaled, see kdj/checkpoints/quant.py): they are transposed into kdj's
+layout but never dequantised; everything else is dequantised as usual.
 """
 
 from __future__ import annotations
@@ -13,11 +17,15 @@ from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from kdj.checkpoints.hf_safetensors import AUX_SUFFIXES, HFCheckpoint
+from kdj.checkpoints.quant import dequant_fp8, dequant_int4
 from kdj.config import ModelConfig
+from kdj.models.deepseek import quantize_experts
 from kdj.models.transformer import Transformer, abstract_model
 from kdj.sharding import ShardingRules, check_fits, named_sharding, single_device_rules
 
@@ -131,6 +139,88 @@ def load_params(cfg: ModelConfig, tensors, *, dtype=jnp.bfloat16, **kw) -> Trans
     """Build a target model from (HF name, array) pairs; every parameter filled exactly once."""
     skeleton = abstract_model(cfg, jnp.dtype(dtype))
     return fill_params(skeleton, tensors, lambda n, x: hf_targets(n, x, cfg), **kw)
+
+
+# A routed expert's quantised parts: INT4 weight_packed / weight_scale, FP8 weight (+ scale_inv).
+_EXPERT_PART = re.compile(
+    r"(?:language_model\.)?model\.layers\.\d+\.mlp\.experts\.\d+\.(?:gate|up|down)_proj\."
+    r"(weight_packed|weight_scale|weight_scale_inv|weight_shape|weight)"
+)
+
+_EXPERT_ID = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj")
+
+
+def expert_format(ckpt: HFCheckpoint) -> tuple[str, dict]:
+    """How the checkpoint stores its routed experts: ("int4", {"group", "scale_dtype"}),
+    ("fp8", {"block"}) or ("float", {})."""
+    for name in ckpt.names():
+        m = _EXPERT_PART.fullmatch(name)
+        if m is None:
+            continue
+        if m.group(1) == "weight_packed":
+            packed, scale = ckpt.raw(name), ckpt.raw(name[: -len("_packed")] + "_scale")
+            group = packed.shape[1] * 8 // scale.shape[1]
+            return "int4", {"group": group, "scale_dtype": jnp.dtype(scale.dtype)}
+        if m.group(1) == "weight" and name + "_scale_inv" in ckpt.names():
+            return "fp8", {"block": ckpt.fp8_block}
+    return "float", {}
+
+
+def quantized_expert_tensors(ckpt: HFCheckpoint):
+    """Like `ckpt.tensors()`, but routed experts' quantised parts come out as stored, under
+    their own names (INT4 .weight_packed / .weight_scale, FP8 .weight / .weight_scale_inv);
+    every other tensor is dequantised as usual. Quantised experts are never dequantised."""
+    names = set(ckpt.names())
+    for name in ckpt.names():
+        m = _EXPERT_PART.fullmatch(name)
+        if m is not None and (m.group(1) != "weight" or name + "_scale_inv" in names):
+            if m.group(1) != "weight_shape":
+                yield name, ckpt.raw(name)
+        elif name.endswith(AUX_SUFFIXES):
+            continue
+        elif name.endswith(".weight_packed"):
+            base = name[: -len("_packed")]
+            shape = ckpt.raw(base + "_shape")
+            yield base, dequant_int4(ckpt.raw(name), ckpt.raw(base + "_scale"), shape)
+        elif name + "_scale_inv" in names:
+            scale = ckpt.raw(name + "_scale_inv")
+            yield name, dequant_fp8(ckpt.raw(name), scale, ckpt.fp8_block)
+        else:
+            yield name, ckpt.raw(name)
+
+
+def quantized_targets(name: str, x: np.ndarray, cfg: ModelConfig):
+    """hf_targets for a routed expert's quantised part: torch [out, in/...] is transposed into
+    kdj's [in/..., out] layout (scales alike), gate/up into the two halves of gate_up."""
+    m = _EXPERT_PART.fullmatch(name)
+    if m is None or m.group(1) == "weight" and x.dtype != ml_dtypes.float8_e4m3fn:
+        return hf_targets(name, x, cfg)
+    i, e, proj = _EXPERT_ID.search(name).groups()
+    pre = ("layers", int(i), "mlp")
+    scale = m.group(1) in ("weight_scale", "weight_scale_inv")
+    if proj == "down":
+        return [(pre + ("down_scale" if scale else "w_down",), x.T, np.index_exp[int(e)])]
+    half = 0 if proj == "gate" else 1
+    path = pre + ("gate_up_scale" if scale else "w_gate_up",)
+    return [(path, x.T, np.index_exp[int(e), :, half])]
+
+
+def load_hf(ckpt: HFCheckpoint, cfg: ModelConfig, *, dtype=jnp.bfloat16,
+            quantized_experts: bool = False, **kw) -> Transformer:  # fmt: skip
+    """Load an HF safetensors checkpoint. With quantized_experts, routed experts stay INT4 or
+    FP8 in device memory (MoE.quantize); the checkpoint must store them quantised."""
+    if not quantized_experts:
+        return load_params(cfg, ckpt.tensors(), dtype=dtype, total=len(ckpt), **kw)
+    fmt, opts = expert_format(ckpt)
+    if fmt == "float":
+        raise ValueError(
+            f"quantized_experts=True, but {ckpt.dir} stores its routed experts unquantised; "
+            "it applies to INT4 (compressed-tensors) and FP8 block-scaled checkpoints"
+        )
+    skeleton = abstract_model(cfg, jnp.dtype(dtype))
+    quantize_experts(skeleton, fmt, **opts)
+    return fill_params(skeleton, quantized_expert_tensors(ckpt),
+                       lambda n, x: quantized_targets(n, x, cfg), **kw)  # fmt: skip
 
 
 def fill_params(

@@ -23,8 +23,8 @@ def prefill(model, tokens, prompt_lens, cache: KVCache):
     """tokens [B, P] right-padded, prompt_lens [B] -> (logits at each prompt's last token
     [B, V], cache with the prompts written and lengths = prompt_lens)."""
     B, P = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    logits, cache, _ = model(tokens, positions, cache, logits_at=(prompt_lens - 1)[:, None])
+    start = jnp.zeros((B,), jnp.int32)
+    logits, cache, _ = model(tokens, start, cache, logits_at=(prompt_lens - 1)[:, None])
     return logits[:, 0], cache.with_lengths(prompt_lens)
 
 
@@ -67,7 +67,7 @@ def decode_loop(
 
     def body(carry):
         cache, out, n, done, step, tok = carry
-        logits, cache, _ = model(tok[:, None], cache.lengths[:, None], cache)
+        logits, cache, _ = model(tok[:, None], cache.lengths, cache)
         active = ~done
         cache = cache.with_lengths(cache.lengths + active)
         nxt = sample(logits[:, 0], jax.random.fold_in(key, step + 1), temperature, top_p, greedy)

@@ -1,5 +1,5 @@
-"""DDTree's draft tree, built on device: the B most probable prefixes of the drafter's
-factorised distribution (a building block of the DDTree method; not yet wired into decoding).
+"""Draft trees on device: DDTree's B most probable prefixes, DFlash's chain as a degenerate
+tree, the verify mask, the acceptance walk and the compaction of the accepted path.
 
 With per-depth log-probabilities lp[d, v] (depth d = 1..L), a prefix t_1..t_d scores
 sum_i lp[i, t_i]. Scores only fall along a path, so the global top-B set is prefix-closed and
@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from kdj.cache import KVCache, gather_rows
+from kdj.decode.sampling import target_probs
 
 
 def _beams(lp, budget: int):
@@ -78,3 +81,102 @@ def build_tree(lp, budget: int):
 def build_trees(lp, budget: int):
     """Batched build_tree: lp [B, L, V] -> the same dict with a leading batch dimension."""
     return jax.vmap(lambda x: build_tree(x, budget))(lp)
+
+
+def chain_trees(lp):
+    """DFlash's draft as a tree: the argmax token at every depth, each node the child of the
+    previous one. lp [B, L, V] -> the build_trees dict with budget L."""
+    B, L, _ = lp.shape
+    idx = jnp.arange(L)
+    return {
+        "tokens": jnp.argmax(lp, axis=-1).astype(jnp.int32),
+        "depth": jnp.broadcast_to(idx + 1, (B, L)),
+        "parent": jnp.broadcast_to(idx - 1, (B, L)),
+        "score": jnp.cumsum(jnp.max(lp, axis=-1), axis=1),
+        "valid": jnp.ones((B, L), bool),
+        "ancestors": jnp.broadcast_to(idx[:, None] >= idx[None, :], (B, L, L)),
+    }
+
+
+def verify_inputs(tree, last, start, capacity: int):
+    """The target's verify pass over root + nodes (T = 1 + N).
+
+    tree: build_trees / chain_trees dict ([B, N] arrays); last [B]: the root (the last
+    committed token, at slot start); nodes go to slots start + 1 .. start + N. Nodes whose
+    slot falls outside the cache are dropped from the tree (the tree shrinks near the cache
+    end; they are the deepest-last entries, so the tree stays prefix-closed).
+    Returns (tokens [B, T], positions [B, T] = start + depth, mask [B, T, T], valid [B, N]).
+    """
+    B, N = tree["tokens"].shape
+    valid = tree["valid"] & (start[:, None] + 1 + jnp.arange(N) < capacity)
+    tokens = jnp.concatenate([last[:, None], tree["tokens"]], axis=1)
+    depth = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), tree["depth"]], axis=1)
+    anc = tree["ancestors"] & valid[:, :, None] & valid[:, None, :]
+    mask = jnp.zeros((B, N + 1, N + 1), bool).at[:, :, 0].set(True).at[:, 1:, 1:].set(anc)
+    return tokens, start[:, None] + depth, mask, valid
+
+
+def target_tokens(logits, key, temperature, top_p, greedy: bool):
+    """The target's own token at every node: argmax, or one independent draw per node from
+    the target's distribution. logits [B, T, V] -> [B, T] int32."""
+    if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    p = target_probs(logits, temperature, top_p)
+    return jax.random.categorical(key, jnp.log(p), axis=-1).astype(jnp.int32)
+
+
+def accept_tree(tree, valid, logits, key, temperature, top_p, limit, *, max_depth: int,
+                greedy: bool):  # fmt: skip
+    """Walk the verified tree from the root, always moving to the child whose token equals
+    the target's token at the current node; stop where none does or after `limit` [B] steps.
+
+    Lossless for greedy and sampling alike: the target's token at each node is a genuine
+    target draw given that node's ancestors, and the walk emits exactly those draws (a
+    matched child's token, then the token at the last node as the bonus). For a chain this is
+    speculative sampling with a point-mass proposal (accept with probability p(x), else a
+    draw from p without x). Siblings carry distinct tokens, so at most one child matches.
+
+    Returns (path [B, D + 1] verify indices of the accepted nodes, path[:, 0] = 0 the root and
+    entries past `a` repeat the last accepted node; a [B] accepted drafts; bonus [B]).
+    max_depth (static) = D, the deepest depth a tree can have (block size - 1).
+    """
+    y = target_tokens(logits, key, temperature, top_p, greedy)  # [B, T]
+    B = valid.shape[0]
+    parent = tree["parent"] + 1  # verify index of each node's parent (0 = root)
+    nodes = tree["tokens"]
+    cur = jnp.zeros((B,), jnp.int32)
+    alive = jnp.ones((B,), bool)
+    a = jnp.zeros((B,), jnp.int32)
+    path = [cur]
+    for _ in range(max_depth):
+        want = jnp.take_along_axis(y, cur[:, None], axis=1)
+        match = valid & (parent == cur[:, None]) & (nodes == want) & (alive & (a < limit))[:, None]
+        found = match.any(axis=1)
+        cur = jnp.where(found, jnp.argmax(match, axis=1).astype(jnp.int32) + 1, cur)
+        a, alive = a + found, alive & found
+        path.append(cur)
+    bonus = jnp.take_along_axis(y, cur[:, None], axis=1)[:, 0]
+    return jnp.stack(path, axis=1), a, bonus
+
+
+def compact(cache: KVCache, path, a) -> KVCache:
+    """Move the accepted path's cache rows to contiguous slots: the node at verify index
+    path[b, j] (slot start + path[b, j]) goes to slot start + j, for j = 1 .. a[b]; start =
+    cache.lengths (the root's slot). A path that is already the chain 0, 1, 2, .. (every
+    DFlash step, and DDTree steps that follow the first node of each depth) moves nothing,
+    so the copy is skipped when no sequence of the batch needs it.
+    """
+    start = cache.lengths
+    j = jnp.arange(1, path.shape[1])
+    moved = (path[:, 1:] != j[None]) & (j[None] <= a[:, None])
+    src = start[:, None] + path[:, 1:]
+    dst = jnp.where(j[None] <= a[:, None], start[:, None] + j[None], cache.capacity)  # drop
+
+    def move(c: KVCache) -> KVCache:
+        return KVCache(
+            k=[gather_rows(x, src, dst) for x in c.k],
+            v=[gather_rows(x, src, dst) for x in c.v],
+            lengths=c.lengths,
+        )
+
+    return jax.lax.cond(moved.any(), move, lambda c: c, cache)

@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from kdj import cache as kvc
+from kdj.checkpoints.quant import (
+    FP8_BLOCK,
+    INT4_GROUP,
+    dequant_stacked,
+    quant_fp8_stacked,
+    quant_int4_stacked,
+)
 from kdj.config import ModelConfig
 from kdj.models.layers import (
     MLP,
     Linear,
     RMSNorm,
     apply_rope,
-    attend,
+    attend_latent,
     param,
     rope_frequencies,
     softmax_scale,
@@ -49,9 +59,10 @@ class MLAAttention(nnx.Module):
         self.o = Linear(H * V, D, ("q_heads", "embed"), dtype=dtype, rngs=rngs)
         self.cfg = cfg
 
-    def __call__(self, x, positions, k_cache, v_cache, mask):
-        """x [B, T, D] at positions [B, T]; k_cache [B, S, 1, C + R] (v_cache unused, None);
-        mask [B, T, S]. Returns (out [B, T, D], k_cache, v_cache)."""
+    def __call__(self, x, positions, start, tree, k_cache, v_cache):
+        """x [B, T, D] at RoPE positions [B, T]; writes k_cache [B, S, 1, C + R] at slots
+        start .. start + T - 1 (v_cache unused, None); attends under (start, tree).
+        Returns (out [B, T, D], k_cache, v_cache)."""
         cfg = self.cfg
         B, T, _ = x.shape
         H, C, N = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim
@@ -63,10 +74,10 @@ class MLAAttention(nnx.Module):
         latent = self.kv_a_norm(ckv[..., :C])[:, :, None, :]  # [B, T, 1, C]
         k_pe = apply_rope(ckv[..., None, C:], positions, inv_freq, amp, interleaved=True)
         q_pe = apply_rope(q_pe, positions, inv_freq, amp, interleaved=True)
-        k_cache = kvc.write(k_cache, jnp.concatenate([latent, k_pe], axis=-1), positions)
+        k_cache = kvc.write(k_cache, jnp.concatenate([latent, k_pe], axis=-1), start)
         q_lat = jnp.einsum("bthn,hnc->bthc", q_nope, self.w_uk[...])
         q_full = jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1)  # [B, T, H, C + R]
-        o_lat = attend(q_full, k_cache, k_cache[..., :C], mask, softmax_scale(cfg))
+        o_lat = attend_latent(q_full, k_cache, start, tree, softmax_scale(cfg), C)
         out = jnp.einsum("bthc,hvc->bthv", o_lat, self.w_uv[...]).reshape(B, T, -1)
         return self.o(out), k_cache, v_cache
 
@@ -103,22 +114,77 @@ def route(x, router, bias, cfg: ModelConfig):
     return w * cfg.routed_scaling_factor, idx.astype(jnp.int32)
 
 
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["value", "scale"], meta_fields=["fmt"]
+)
+@dataclasses.dataclass(frozen=True)
+class ExpertWeight:
+    """A stacked expert matrix [E, in, *out] as it sits in HBM (kdj/checkpoints/quant.py):
+    fmt "float" (value is the weights, scale None), "int4" (value int32 [E, in/8, *out] + group
+    scales) or "fp8" (value float8_e4m3fn + 128 x 128 block scales). A pytree, so it passes
+    through jit and shard_map; value and scale split over the same logical axes."""
+
+    value: jax.Array
+    scale: jax.Array | None = None
+    fmt: str = "float"
+
+    @staticmethod
+    def of(w) -> ExpertWeight:
+        """An ExpertWeight as is; a plain array is float weights."""
+        return w if isinstance(w, ExpertWeight) else ExpertWeight(jnp.asarray(w))
+
+    @property
+    def num_experts(self) -> int:
+        return self.value.shape[0]
+
+    def take(self, ids, dtype):
+        """Dequantised weights of experts ids [n]: [n, in, *out]. Only those experts are read."""
+        scale = None if self.scale is None else self.scale[ids]
+        # The barrier pins the gather first: otherwise XLA hoists the dot's f32 convert (and
+        # the dequantisation) above it and converts EVERY expert each step (on an H200 that
+        # was a 42 GiB f32 copy of Kimi-K2's 384 experts for a one-token step).
+        value, scale = jax.lax.optimization_barrier((self.value[ids], scale))
+        return dequant_stacked(self.fmt, value, scale, dtype)
+
+    def dense(self, dtype):
+        """All experts, dequantised: [E, in, *out] (float weights are returned as they are)."""
+        if self.fmt == "float":
+            return self.value
+        return dequant_stacked(self.fmt, self.value, self.scale, dtype)
+
+
+def touched_experts(flat, size: int):
+    """Distinct experts of assignments flat [n] in a static-size list: (ids [size] ascending,
+    padded with the largest id; slot [n]: each assignment's index into ids)."""
+    ids = jnp.unique(flat, size=size, fill_value=flat.max())
+    return ids, jnp.searchsorted(ids, flat).astype(jnp.int32)
+
+
 def expert_swiglu(x, weights, idx, w_gate_up, w_down):
     """Routed expert compute with tokens grouped by expert (jax.lax.ragged_dot).
 
-    x [N, D]; weights/idx [N, k]; w_gate_up [E, D, 2, I]; w_down [E, I, D]. Returns [N, D].
-    This is the XLA reference path; only experts with tokens get rows in each group.
+    x [N, D]; weights/idx [N, k]; w_gate_up [E, D, 2, I] and w_down [E, I, D], arrays or
+    ExpertWeight. Returns [N, D]. Quantised experts are dequantised only where they can be
+    touched: with fewer assignments than experts, the distinct touched experts are gathered
+    first (at most N * k of them) and become the groups.
     """
+    wgu, wd = ExpertWeight.of(w_gate_up), ExpertWeight.of(w_down)
     N, k = idx.shape
-    E, D, _, I = w_gate_up.shape
+    E, D = wgu.num_experts, x.shape[1]
     flat = idx.reshape(-1)
+    if wgu.fmt != "float" and flat.size < E:
+        ids, flat = touched_experts(flat, flat.size)
+        gu, down = wgu.take(ids, x.dtype), wd.take(ids, x.dtype)
+    else:
+        gu, down = wgu.dense(x.dtype), wd.dense(x.dtype)
+    G, _, _, I = gu.shape
     order = jnp.argsort(flat, stable=True)
     token = order // k
-    group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat, length=G).astype(jnp.int32)
     xs = x[token]
-    h = jax.lax.ragged_dot(xs, w_gate_up.reshape(E, D, 2 * I), group_sizes).reshape(-1, 2, I)
+    h = jax.lax.ragged_dot(xs, gu.reshape(G, D, 2 * I), group_sizes).reshape(-1, 2, I)
     h = jax.nn.silu(h[:, 0]) * h[:, 1]
-    y = jax.lax.ragged_dot(h.astype(x.dtype), w_down, group_sizes)
+    y = jax.lax.ragged_dot(h.astype(x.dtype), down, group_sizes)
     y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
     return jnp.zeros_like(x).at[token].add(y.astype(x.dtype))
 
@@ -127,14 +193,16 @@ def expert_swiglu_gathered(x, weights, idx, w_gate_up, w_down):
     """Routed expert compute for a handful of tokens: gather each assignment's expert weights.
 
     Same contract as `expert_swiglu`. Reads only the N * k selected experts (duplicates
-    included), which beats grouped GEMMs when N * k is far below E: decode at small batch.
+    included), dequantising just those, which beats grouped GEMMs when N * k is far below E:
+    decode at small batch.
     """
+    wgu, wd = ExpertWeight.of(w_gate_up), ExpertWeight.of(w_down)
     N, k = idx.shape
     flat = idx.reshape(-1)
     xs = jnp.repeat(x, k, axis=0)  # [N*k, D], assignment j belongs to token j // k
-    h = jnp.einsum("nd,ndci->nci", xs, w_gate_up[flat])
+    h = jnp.einsum("nd,ndci->nci", xs, wgu.take(flat, x.dtype))
     h = jax.nn.silu(h[:, 0]) * h[:, 1]
-    y = jnp.einsum("ni,nid->nd", h.astype(x.dtype), w_down[flat])
+    y = jnp.einsum("ni,nid->nd", h.astype(x.dtype), wd.take(flat, x.dtype))
     y = y.reshape(N, k, -1) * weights[..., None].astype(y.dtype)
     return y.sum(1).astype(x.dtype)
 
@@ -145,7 +213,10 @@ GATHER_MAX_ASSIGNMENTS_PER_EXPERT = 0.25
 
 
 class MoE(nnx.Module):
-    """Routed experts (top-k of E) plus always-on shared experts."""
+    """Routed experts (top-k of E) plus always-on shared experts.
+
+    The routed experts are float by default; `quantize_experts` switches them to a format
+    kept quantised in HBM ("int4" | "fp8"), adding gate_up_scale / down_scale params."""
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs):
         D, E, I = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
@@ -153,23 +224,69 @@ class MoE(nnx.Module):
         self.bias = zeros((E,), (None,), jnp.float32) if cfg.topk_method == "noaux_tc" else None
         self.w_gate_up = param(rngs, (E, D, 2, I), ("experts", "embed", None, "moe_mlp"), dtype)
         self.w_down = param(rngs, (E, I, D), ("experts", "moe_mlp", "embed"), dtype)
+        # data slots (not static None): MoE.quantize puts the scales here
+        self.gate_up_scale = self.down_scale = nnx.data(None)
+        self.expert_format = "float"
         n_shared = cfg.n_shared_experts
         self.shared = MLP(D, I * n_shared, dtype=dtype, rngs=rngs) if n_shared else None
         self.cfg = cfg
         self.shard = None  # a kdj.sharding.Sharding when experts are spread over a mesh
+        # Static: when set (bench/roofline.py), each call sows its expert ids [N, k] as an
+        # nnx.Intermediate "routing", so a harness can count the experts a step touched.
+        self.record_routing = False
+
+    def experts(self) -> tuple[ExpertWeight, ExpertWeight]:
+        """(gate_up [E, D, 2, I], down [E, I, D]) as held."""
+        return tuple(
+            ExpertWeight(w[...], None if s is None else s[...], self.expert_format)
+            for w, s in ((self.w_gate_up, self.gate_up_scale), (self.w_down, self.down_scale))
+        )
 
     def __call__(self, x):
         B, T, D = x.shape
         flat = x.reshape(B * T, D)
         bias = None if self.bias is None else self.bias[...]
         w, idx = route(flat, self.router[...], bias, self.cfg)
-        weights = (self.w_gate_up[...], self.w_down[...])
+        if self.record_routing:
+            self.sow(nnx.Intermediate, "routing", idx)
         if self.shard is None:
-            out = local_experts(flat, w, idx, *weights, first=0)
+            out = local_experts(flat, w, idx, *self.experts(), first=0)
         else:
-            out = sharded_experts(self.shard, flat, w, idx, *weights)
+            out = sharded_experts(self.shard, flat, w, idx, *self.experts())
         out = out.reshape(B, T, D)
         return out if self.shared is None else out + self.shared(x)
+
+    def quantize(self, fmt: str, *, block: int = FP8_BLOCK, group: int = INT4_GROUP,
+                 scale_dtype=jnp.bfloat16) -> None:  # fmt: skip
+        """Hold the routed experts in `fmt` from now on (in place). Concrete float weights are
+        quantised; abstract ones (an nnx.eval_shape skeleton) only change shape and dtype, for
+        a checkpoint to fill. block: FP8 block; group, scale_dtype: INT4 scales."""
+        if self.expert_format != "float":
+            raise ValueError(f"experts are already {self.expert_format}")
+        if fmt == "int4":
+            fn = functools.partial(quant_int4_stacked, group=group, scale_dtype=scale_dtype)
+        elif fmt == "fp8":
+            fn = functools.partial(quant_fp8_stacked, block=block)
+        else:
+            raise ValueError(f"expert format must be 'int4' or 'fp8', not {fmt!r}")
+        for name in ("gate_up", "down"):
+            var = getattr(self, f"w_{name}")
+            w, axes = var.get_value(), var.get_metadata()["axes"]
+            if isinstance(w, jax.ShapeDtypeStruct):
+                q, s = jax.eval_shape(fn, w)
+            else:
+                q, s = jax.jit(fn)(w)
+                var.set_value(None)  # drop the float copy before the next matrix is quantised
+            setattr(self, f"w_{name}", nnx.Param(q, axes=axes))
+            setattr(self, f"{name}_scale", nnx.Param(s, axes=axes))
+        self.expert_format = fmt
+
+
+def quantize_experts(model, fmt: str, **kw) -> None:
+    """Switch every MoE layer of `model` to routed experts kept quantised (MoE.quantize)."""
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, MoE):
+            module.quantize(fmt, **kw)
 
 
 def local_experts(x, weights, idx, w_gate_up, w_down, first):
@@ -179,7 +296,8 @@ def local_experts(x, weights, idx, w_gate_up, w_down, first):
     chosen at trace time from static shapes: gathering the selected experts' weights for a
     handful of tokens, grouped GEMMs otherwise.
     """
-    E_local = w_gate_up.shape[0]
+    w_gate_up, w_down = ExpertWeight.of(w_gate_up), ExpertWeight.of(w_down)
+    E_local = w_gate_up.num_experts
     local = idx - first
     mine = (local >= 0) & (local < E_local)
     weights = jnp.where(mine, weights, 0.0)
@@ -194,7 +312,9 @@ def sharded_experts(shard, x, weights, idx, w_gate_up, w_down):
     tensor-parallel rules, its slice of each expert's FFN) for the tokens it holds, then the
     partial outputs are summed over the expert (and FFN) axes. When the batch is also split
     over the expert axis (data-parallel attention), tokens are first gathered across it and
-    the sum is scattered back (psum_scatter)."""
+    the sum is scattered back (psum_scatter). Quantised experts travel as stored (value and
+    scales split alike) and are dequantised on the device that holds them."""
+    w_gate_up, w_down = ExpertWeight.of(w_gate_up), ExpertWeight.of(w_down)
     r = shard.rules
     e_ax, f_ax, b_ax = r.experts, r.moe_mlp, r.batch
     if x.shape[0] % shard.size("batch"):
@@ -203,10 +323,13 @@ def sharded_experts(shard, x, weights, idx, w_gate_up, w_down):
     gather = e_ax is not None and e_ax in b_names
     tok = P(b_ax, None)
 
+    def spec(w: ExpertWeight, p: P) -> ExpertWeight:
+        return ExpertWeight(p, None if w.scale is None else p, w.fmt)
+
     def body(x, weights, idx, wgu, wd):
         if gather:
             x, weights, idx = (jax.lax.all_gather(a, e_ax, tiled=True) for a in (x, weights, idx))
-        first = 0 if e_ax is None else jax.lax.axis_index(e_ax) * wgu.shape[0]
+        first = 0 if e_ax is None else jax.lax.axis_index(e_ax) * wgu.num_experts
         y = local_experts(x, weights, idx, wgu, wd, first)
         if f_ax is not None:
             y = jax.lax.psum(y, f_ax)
@@ -214,7 +337,7 @@ def sharded_experts(shard, x, weights, idx, w_gate_up, w_down):
             return jax.lax.psum_scatter(y, e_ax, scatter_dimension=0, tiled=True)
         return y if e_ax is None else jax.lax.psum(y, e_ax)
 
+    specs = (spec(w_gate_up, P(e_ax, None, None, f_ax)), spec(w_down, P(e_ax, f_ax, None)))
     return jax.shard_map(
-        body, mesh=shard.mesh, check_vma=False,
-        in_specs=(tok, tok, tok, P(e_ax, None, None, f_ax), P(e_ax, f_ax, None)), out_specs=tok,
+        body, mesh=shard.mesh, check_vma=False, in_specs=(tok, tok, tok, *specs), out_specs=tok,
     )(x, weights, idx, w_gate_up, w_down)  # fmt: skip

@@ -141,15 +141,17 @@ class Drafter(nnx.Module):
         self.norm = RMSNorm(D, lc.rms_norm_eps, dtype=dtype)
         self.cfg = cfg
 
-    def add_context(self, feats, positions, cache: kvc.KVCache) -> kvc.KVCache:
-        """Write context K/V for target features feats [B, C, K*D] at positions [B, C] into
-        every layer's cache (positions outside the cache are dropped). Lengths untouched."""
+    def add_context(self, feats, start, cache: kvc.KVCache) -> kvc.KVCache:
+        """Write context K/V for target features feats [B, C, K*D] of positions start[b] ..
+        start[b] + C - 1 into every layer's cache (slots outside the cache are dropped).
+        Lengths untouched."""
         c = self.hidden_norm(self.fc(feats.astype(self.fc.kernel.dtype)))
+        positions = start[:, None] + jnp.arange(feats.shape[1], dtype=jnp.int32)
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
             k, v = layer.attn.keys_values(c, positions)
-            ks.append(kvc.write(cache.k[i], k, positions))
-            vs.append(kvc.write(cache.v[i], v, positions))
+            ks.append(kvc.write(cache.k[i], k, start))
+            vs.append(kvc.write(cache.v[i], v, start))
         return dataclasses.replace(cache, k=ks, v=vs)
 
     def __call__(self, x, positions, cache: kvc.KVCache):

@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from kdj.config import ModelConfig
+from kdj.pallas import tree_attention
 
 NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax rather than NaN
 
@@ -163,17 +164,76 @@ def apply_rope(x, positions, inv_freq, amplitude: float, interleaved: bool):
 
 
 # ----------------------------------------------------------------------------- attention
-def attend(q, k, v, mask, scale: float):
-    """Masked attention, the XLA reference used on CPU and as the kernels' oracle.
+# One mask form serves prefill, decode, DFlash verify and DDTree verify: the T new tokens of
+# sequence b are written to cache slots start[b] .. start[b] + T - 1, every query sees all
+# committed slots < start[b], and among the new slots query i sees slot start[b] + j iff
+# tree[b, i, j] (causal = lower triangle; a draft tree = ancestors and self). The kernels in
+# kdj/pallas consume exactly this form and so read only slots < start + T.
 
-    q [B, T, H, Dk]; k [B, S, KVH, Dk]; v [B, S, KVH, Dv]; mask [B, T, S] bool (True = visible).
-    H is a multiple of KVH (GQA; MLA's absorbed form is KVH = 1). Returns [B, T, H, Dv].
+
+def causal_tree(batch: int, T: int) -> jax.Array:
+    """[B, T, T] lower-triangular visibility: the tree of a chain."""
+    return jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (batch, T, T))
+
+
+def dense_mask(start, tree, capacity: int) -> jax.Array:
+    """(start [B], tree [B, T, T]) -> [B, T, S] bool over all cache slots (True = visible)."""
+    B, T, _ = tree.shape
+    rel = jnp.arange(capacity)[None, :] - start[:, None]  # [B, S] slot relative to start
+    idx = jnp.broadcast_to(jnp.clip(rel, 0, T - 1)[:, None, :], (B, T, capacity))
+    in_tree = jnp.take_along_axis(tree, idx, axis=2) & ((rel >= 0) & (rel < T))[:, None, :]
+    return (rel < 0)[:, None, :] | in_tree
+
+
+def reference_attention(q, k, v, start, tree, scale: float):
+    """Masked attention in plain XLA: the CPU path and the kernels' test oracle.
+
+    q [B, T, H, Dk]; k [B, S, KVH, Dk]; v [B, S, KVH, Dv]; start [B] int32; tree [B, T, T]
+    bool. H is a multiple of KVH (GQA; MLA's absorbed form is KVH = 1). Returns [B, T, H, Dv].
     """
     B, T, H, Dk = q.shape
     KVH = k.shape[2]
+    mask = dense_mask(start, tree, k.shape[1])
     q = q.reshape(B, T, KVH, H // KVH, Dk)
     s = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
     s = jnp.where(mask[:, None, None], s, NEG_INF)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
     o = jnp.einsum("bkgts,bskd->btkgd", p, v)
     return o.reshape(B, T, H, v.shape[-1])
+
+
+def attend(q, k, v, start, tree, scale: float):
+    """GQA attention of T new queries over the cache (see the mask form above).
+
+    On GPU: the Pallas kernel for T > 1 (1.4-2.6x faster than the reference on the H200,
+    bench/results/tree_attention.json); plain decode (T = 1) and shapes the kernel does not
+    take stay on the XLA reference, which is as fast there. Decided at trace time.
+    """
+    T = q.shape[1]
+    if (
+        jax.default_backend() == "gpu"
+        and T > 1
+        and tree_attention.supported(q.shape, k.shape, v.shape[-1], latent=False)
+    ):
+        return tree_attention.tree_attention(q, k, v, start, tree, scale)
+    return reference_attention(q, k, v, start, tree, scale)
+
+
+def attend_latent(q, kv, start, tree, scale: float, v_dim: int):
+    """MLA absorbed attention: q [B, T, H, C + R] over one shared stream kv [B, S, 1, C + R]
+    whose first v_dim = C columns are also the values. Returns [B, T, H, C].
+
+    On GPU the Pallas kernel runs where it measured no slower than the reference: plain
+    decode (T = 1) over a capacity S >= 16K (9 % faster at 32K; XLA is ahead at 1K-8K), and
+    T * H >= 32768 (e.g. T >= 256 at H = 128), where it also avoids the reference's
+    [T, H, S] f32 score tensor (34 GB at T = 2048, H = 128, S = 32K). Between those the
+    reference's large matmuls win (1.3x at T = 17). Decided at trace time.
+    """
+    T, H, S = q.shape[1], q.shape[2], kv.shape[1]
+    if (
+        jax.default_backend() == "gpu"
+        and ((T == 1 and S >= 16384) or T * H >= 32768)
+        and tree_attention.supported(q.shape, kv.shape, v_dim, latent=True)
+    ):
+        return tree_attention.latent_tree_attention(q, kv, start, tree, scale, v_dim)
+    return reference_attention(q, kv, kv[..., :v_dim], start, tree, scale)

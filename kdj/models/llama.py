@@ -40,9 +40,10 @@ class GQAAttention(nnx.Module):
             self.q_norm = self.k_norm = None
         self.cfg = cfg
 
-    def __call__(self, x, positions, k_cache, v_cache, mask):
-        """x [B, T, D] at positions [B, T]; writes K/V into the caches [B, S, KVH, hd] at those
-        positions; mask [B, T, S]. Returns (out [B, T, D], k_cache, v_cache)."""
+    def __call__(self, x, positions, start, tree, k_cache, v_cache):
+        """x [B, T, D] at RoPE positions [B, T]; writes K/V into the caches [B, S, KVH, hd] at
+        slots start .. start + T - 1 and attends under (start, tree) (kdj/models/layers.py).
+        Returns (out [B, T, D], k_cache, v_cache)."""
         B, T, _ = x.shape
         cfg = self.cfg
         H, KVH, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -57,7 +58,7 @@ class GQAAttention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, positions, inv_freq, amp, interleaved=False)
         k = apply_rope(k, positions, inv_freq, amp, interleaved=False)
-        k_cache = kvc.write(k_cache, k, positions)
-        v_cache = kvc.write(v_cache, v, positions)
-        out = attend(q, k_cache, v_cache, mask, softmax_scale(cfg))
+        k_cache = kvc.write(k_cache, k, start)
+        v_cache = kvc.write(v_cache, v, start)
+        out = attend(q, k_cache, v_cache, start, tree, softmax_scale(cfg))
         return self.o(out.reshape(B, T, H * hd)), k_cache, v_cache

@@ -15,10 +15,10 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
-from kdj.cache import KVCache, causal_mask
+from kdj.cache import KVCache
 from kdj.config import ModelConfig
 from kdj.models.deepseek import MLAAttention, MoE
-from kdj.models.layers import MLP, Linear, RMSNorm, param
+from kdj.models.layers import MLP, Linear, RMSNorm, causal_tree, param
 from kdj.models.llama import GQAAttention
 
 
@@ -35,8 +35,8 @@ class Block(nnx.Module):
         else:
             self.mlp = MLP(D, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, k_cache, v_cache, mask):
-        h, k_cache, v_cache = self.attn(self.attn_norm(x), positions, k_cache, v_cache, mask)
+    def __call__(self, x, positions, start, tree, k_cache, v_cache):
+        h, k_cache, v_cache = self.attn(self.attn_norm(x), positions, start, tree, k_cache, v_cache)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), k_cache, v_cache
 
@@ -56,23 +56,30 @@ class Transformer(nnx.Module):
         )
         self.cfg = cfg
 
-    def __call__(self, tokens, positions, cache: KVCache, *, mask=None, taps=(), logits_at=None):
+    def __call__(
+        self, tokens, start, cache: KVCache, *, positions=None, tree=None, taps=(), logits_at=None
+    ):
         """Run T new tokens per sequence on top of the cache.
 
-        tokens, positions: [B, T] int32 (position = slot in the cache the token is written to).
-        mask: [B, T, S] bool, defaults to causal-by-position. taps: layer ids whose OUTPUT
-        hidden state (HF `hidden_states[id + 1]`) is returned. logits_at: [B, K] indices into
-        T to compute logits for (default: all T).
+        tokens [B, T] int32 are written to cache slots start[b] .. start[b] + T - 1 (start [B]
+        int32). positions [B, T]: RoPE positions, default start + 0..T-1 (a DDTree passes
+        start + depth). tree [B, T, T] bool: which new tokens each new token sees (default
+        causal); every token sees all slots < start. taps: layer ids whose OUTPUT hidden state
+        (HF `hidden_states[id + 1]`) is returned. logits_at: [B, K] indices into T to compute
+        logits for (default: all T).
         Returns (logits [B, T or K, V] float32, cache with K/V written, taps [B, T, len, D] or
         None). `cache.lengths` is left for the caller to advance.
         """
+        B, T = tokens.shape
         x = self.embed[...][tokens]
-        if mask is None:
-            mask = causal_mask(positions, cache.capacity)
+        if positions is None:
+            positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)
+        if tree is None:
+            tree = causal_tree(B, T)
         ks, vs, tapped = [], [], []
         for i, layer in enumerate(self.layers):
             v_in = cache.v[i] if cache.v else None
-            x, k, v = layer(x, positions, cache.k[i], v_in, mask)
+            x, k, v = layer(x, positions, start, tree, cache.k[i], v_in)
             ks.append(k)
             if cache.v:
                 vs.append(v)

@@ -1,6 +1,8 @@
-"""Pallas GPU kernels (tree attention, MoE expert GEMMs), each beside its XLA reference.
+"""Pallas GPU kernels, each beside its XLA reference (the CPU path and the test oracle).
 
-Empty so far: the foundation runs on XLA alone. Kernels land with the DDTree and MoE issues,
-chosen by measurement on the H200; the XLA references in kdj/models stay the CPU path and
-the test oracle.
+* ``tree_attention``: GQA and MLA-absorbed attention over the cache in kdj's one mask form
+  (prefix < start plus a [T, T] tree), flash style with split-K, Triton lowering; chosen
+  per shape by ``kdj.models.layers.attend`` / ``attend_latent`` on GPU.
+
+Kernels are chosen by measurement on the H200 (bench/); MoE expert GEMMs are still XLA.
 """

@@ -1,15 +1,21 @@
-"""DFlash block speculative decoding: draft -> verify -> accept -> commit, one jitted step,
-the whole generation one on-device `lax.while_loop`.
+"""Speculative decoding with a DFlash drafter, as a chain (DFlash) or a tree (DDTree): draft ->
+verify -> accept -> compact -> commit, one jitted step, the whole generation one on-device
+`lax.while_loop`.
 
 Per sequence b, `L[b]` (= both caches' `lengths`) counts committed tokens whose K/V are in the
-target cache; `last[b]` is the newest committed token (not yet in the cache), so the block of
-a step starts at position L:
+target cache; `last[b]` is the newest committed token (not yet in the cache), so a step's root
+sits at slot L:
 
     draft   drafter context += pending target features (positions L - n_pend .. L - 1);
-            block [last, MASK x (k - 1)] at L .. L + k - 1 -> drafts d_1 .. d_{k-1} (argmax)
-    verify  target over [last, d_1 .. d_{k-1}] at L .. L + k - 1 (causal), taps features
-    accept  a drafts + bonus (greedy or lossless sampling), capped by cache and token budget
-    commit  L += a + 1; last = bonus; pending = features of positions L .. L + a
+            block [last, MASK x (k - 1)] at L .. L + k - 1 -> per-depth log-probs lp[1..k-1]
+    tree    DFlash: the argmax chain (k - 1 nodes); DDTree: the top-B prefixes of lp
+            (kdj/decode/tree.py), B = tree_budget
+    verify  target over [last, nodes] at slots L .., positions L + depth, each node seeing the
+            past and its ancestors; taps features
+    accept  walk from the root along children equal to the target's token (greedy or
+            sampled, lossless), capped by cache and token budget: a drafts + bonus
+    compact move the accepted nodes' K/V to slots L + 1 .. L + a (no-op for a chain)
+    commit  L += a + 1; last = bonus; pending = features of the accepted nodes
 
 Rejected entries stay in both caches past L and are overwritten later ("rollback by length").
 """
@@ -23,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kdj.cache import KVCache
-from kdj.decode.accept import accept_greedy, accept_sampled
+from kdj.decode import tree as trees
 from kdj.decode.autoregressive import is_stop
 from kdj.decode.sampling import sample
 
@@ -43,42 +49,43 @@ def prefill(tgraph, tstate, dgraph, dstate, tokens, prompt_lens, tcache, dcache,
     context cache for every prompt position. Returns (first [B], tcache, dcache)."""
     target, drafter = nnx.merge(tgraph, tstate), nnx.merge(dgraph, dstate)
     B, P = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    start = jnp.zeros((B,), jnp.int32)
     logits, tcache, taps = target(
-        tokens, positions, tcache, taps=drafter.cfg.target_layer_ids,
+        tokens, start, tcache, taps=drafter.cfg.target_layer_ids,
         logits_at=(prompt_lens - 1)[:, None],
     )  # fmt: skip
     first = sample(logits[:, 0], jax.random.fold_in(key, 0), temperature, top_p, greedy)
-    dcache = drafter.add_context(_features(taps), positions, dcache)
+    dcache = drafter.add_context(_features(taps), start, dcache)
     return first, tcache.with_lengths(prompt_lens), dcache.with_lengths(prompt_lens)
 
 
 def draft(target, drafter, dcache: KVCache, last, pending, n_pend, k: int):
-    """Add pending context, then propose k - 1 tokens per sequence. Returns (drafts
-    [B, k - 1] int32, dcache). pending [B, P, K*D] holds features of positions L - n_pend ..;
-    slots >= n_pend are padding (written past L, masked, overwritten later)."""
-    B, P, _ = pending.shape
+    """Add pending context, then run the block. Returns (lp [B, k - 1, V] float32 draft
+    log-probabilities for depths 1 .. k - 1, dcache). pending [B, P, K*D] holds features of
+    positions L - n_pend ..; slots >= n_pend are padding (written past L, masked, overwritten
+    later)."""
+    B = pending.shape[0]
     L = dcache.lengths
-    ctx_pos = (L - n_pend)[:, None] + jnp.arange(P, dtype=jnp.int32)
-    dcache = drafter.add_context(pending, ctx_pos, dcache)
+    dcache = drafter.add_context(pending, L - n_pend, dcache)
     block = jnp.full((B, k), drafter.cfg.mask_token_id, jnp.int32).at[:, 0].set(last)
     positions = L[:, None] + jnp.arange(k, dtype=jnp.int32)
     h = drafter(target.embed[...][block], positions, dcache)
-    logits = target.logits(h[:, 1:])
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), dcache
+    return jax.nn.log_softmax(target.logits(h[:, 1:]), axis=-1), dcache
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("tgraph", "dgraph", "greedy", "max_steps", "block_size"),
+    static_argnames=("tgraph", "dgraph", "greedy", "max_steps", "block_size", "tree_budget"),
     donate_argnames=("tcache", "dcache"),
 )
 def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, stop_ids, key,
-                temperature, top_p, *, greedy, max_steps, block_size):  # fmt: skip
+                temperature, top_p, *, greedy, max_steps, block_size, tree_budget):  # fmt: skip
     """Speculative generation until every sequence hit a stop token or its own max_new.
 
-    max_steps = max(max_new). Returns (out [B, max_steps] int32, n_out [B], taus
-    [B, max_steps] (tokens committed per step, 0 once finished), steps, tcache, dcache).
+    tree_budget 0 drafts DFlash's chain, B > 0 a DDTree of B nodes. max_steps = max(max_new).
+    Returns (out [B, max_steps] int32, n_out [B], taus [B, max_steps] (tokens committed per
+    step, 0 once finished), sizes [B, max_steps] (tree nodes verified per step), steps,
+    tcache, dcache).
     """
     target, drafter = nnx.merge(tgraph, tstate), nnx.merge(dgraph, dstate)
     k = block_size
@@ -99,47 +106,57 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
     def body(c):
         tcache, dcache, last = c["tcache"], c["dcache"], c["last"]
         L = tcache.lengths
-        drafts, dcache = draft(target, drafter, dcache, last, c["pending"], c["n_pend"], k)
-        block = jnp.concatenate([last[:, None], drafts], axis=1)
-        positions = L[:, None] + jnp.arange(k, dtype=jnp.int32)
-        logits, tcache, taps = target(block, positions, tcache, taps=drafter.cfg.target_layer_ids)
-        # Commit at most up to the cache end (positions L .. L + a must exist) and the budget.
+        lp, dcache = draft(target, drafter, dcache, last, c["pending"], c["n_pend"], k)
+        tree = trees.build_trees(lp, tree_budget) if tree_budget else trees.chain_trees(lp)
+        tokens, positions, mask, valid = trees.verify_inputs(tree, last, L, S)
+        logits, tcache, taps = target(
+            tokens, L, tcache, positions=positions, tree=mask, taps=drafter.cfg.target_layer_ids
+        )
+        # Commit at most up to the cache end (slots L .. L + a must exist) and the budget.
         limit = jnp.maximum(jnp.minimum(S - 1 - L, max_new - c["n"] - 1), 0)
-        if greedy:
-            a, bonus = accept_greedy(drafts, logits, limit)
-        else:
-            step_key = jax.random.fold_in(key, c["step"] + 1)
-            a, bonus = accept_sampled(drafts, logits, step_key, temperature, top_p, limit)
-        # Emitted this step: d_1 .. d_a, bonus; cut after the first stop token.
+        active = ~c["done"]
+        limit = jnp.where(active, limit, 0)
+        step_key = jax.random.fold_in(key, c["step"] + 1)
+        path, a, bonus = trees.accept_tree(
+            tree, valid, logits, step_key, temperature, top_p, limit, max_depth=k - 1,
+            greedy=greedy,
+        )  # fmt: skip
+        tcache = trees.compact(tcache, path, a)
+        # Emitted this step: the accepted nodes' tokens, then the bonus; cut after a stop.
         j = jnp.arange(k)
-        emitted = jnp.where(j[None] < a[:, None], jnp.roll(block, -1, axis=1), bonus[:, None])
-        valid = j[None] <= a[:, None]
-        stop_at = valid & jnp.any(emitted[..., None] == stop_ids[:, None, :], axis=-1)
+        accepted = jnp.take_along_axis(tokens, path[:, 1:], axis=1)  # [B, k - 1]
+        emitted = jnp.where(
+            j[None] < a[:, None], jnp.pad(accepted, ((0, 0), (0, 1))), bonus[:, None]
+        )
+        valid_out = j[None] <= a[:, None]
+        stop_at = valid_out & jnp.any(emitted[..., None] == stop_ids[:, None, :], axis=-1)
         first_stop = jnp.argmax(stop_at, axis=1)
         count = jnp.where(stop_at.any(1), first_stop + 1, a + 1)
-        active = ~c["done"]
         count = jnp.where(active, count, 0)
         cols = jnp.where(j[None] < count[:, None], c["n"][:, None] + j[None], N)
         out = c["out"].at[jnp.arange(B)[:, None], cols].set(emitted, mode="drop")
         n = c["n"] + count
         done = c["done"] | (active & (stop_at.any(1) | (n >= max_new)))
         L_new = jnp.where(active, L + a + 1, L)
+        feats = jnp.take_along_axis(_features(taps), path[:, :, None], axis=1)  # [B, k, K*D]
         return {
             "tcache": tcache.with_lengths(L_new),
             "dcache": dcache.with_lengths(L_new),
             "last": jnp.where(active, bonus, last),
-            "pending": _features(taps).astype(c["pending"].dtype),
+            "pending": feats.astype(c["pending"].dtype),
             "n_pend": jnp.where(active, a + 1, 0),
             "out": out,
             "n": n,
             "done": done,
             "taus": c["taus"].at[:, c["step"]].set(count),
+            "sizes": c["sizes"].at[:, c["step"]].set(jnp.where(active, valid.sum(1), 0)),
             "step": c["step"] + 1,
         }
 
     carry = {
         "tcache": tcache, "dcache": dcache, "last": first, "pending": pending, "n_pend": n_pend,
-        "out": out, "n": n, "done": done, "taus": taus, "step": jnp.int32(0),
+        "out": out, "n": n, "done": done, "taus": taus, "sizes": jnp.zeros_like(taus),
+        "step": jnp.int32(0),
     }  # fmt: skip
     c = jax.lax.while_loop(cond, body, carry)
-    return c["out"], c["n"], c["taus"], c["step"], c["tcache"], c["dcache"]
+    return (c["out"], c["n"], c["taus"], c["sizes"], c["step"], c["tcache"], c["dcache"])

@@ -1,12 +1,13 @@
-"""DFlash step time against AR step time, each one jitted on-device loop, in the same run.
+"""Speculative step time (DFlash chain, DDTree at several budgets) against AR step time, each
+one jitted on-device loop, in the same run.
 
 For each target shape and batch size: random prompts of --prompt-len tokens, --new greedy
-tokens; AR through kdj.generate(method="ar"), DFlash through kdj.generate(method="dflash")
-with a randomly initialised drafter of the published shape (acceptance is then ~0, so every
-DFlash step commits one token: what is measured is the cost of one draft + verify step).
+tokens; AR through kdj.generate(method="ar"), DFlash and DDTree through kdj.generate with a
+randomly initialised drafter of the published shape (acceptance is then ~0, so every step
+commits one token: what is measured is the cost of one draft + tree + verify + walk step).
 
-    python bench/dflash_step.py --models smollm2-135m qwen3-8b --batches 1 16 \
-        --out $OUT/dflash_step.json
+    python bench/spec_step.py --models smollm2-135m qwen3-8b --batches 1 16 \
+        --budgets 16 64 256 512 --out $OUT/spec_step.json
 
 Drafters: SmolLM2-135M gets a 5-layer Qwen3-style drafter at its width (9/3 heads,
 head_dim 64, FFN 1536, block 16); Qwen3-8B gets the Qwen3-8B-DFlash-b16 shape (5 layers,
@@ -33,7 +34,9 @@ DRAFTERS = {  # published-shape drafters: (layers, heads, kv heads, head_dim, FF
     "smollm2-135m": (5, 9, 3, 64, 1536, 16),
     "qwen3-8b": (5, 32, 8, 128, 12288, 16),
 }
-PUBLISHED_REFERENCE_MS = {"smollm2-135m": 135.0}  # ANCHORS.md: reference loop, per step
+# ANCHORS.md: the published reference loops, per step on the SmolLM2 shape
+PUBLISHED_REFERENCE_MS = {"smollm2-135m": 135.0}
+PUBLISHED_DDTREE_MS = {"smollm2-135m": (76.0, 84.0)}
 
 
 def drafter_for(target, name):
@@ -70,6 +73,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen3-8b"])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    p.add_argument("--budgets", nargs="+", type=int, default=[16, 64, 256, 512])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
@@ -87,16 +91,24 @@ def main():
             ar = step_ms(target, prompts, args, method="ar")
             df = step_ms(target, prompts, args, method="dflash", drafter=drafter)
             row = {"model": name, "weights": weights, "batch": batch, "ar": ar, "dflash": df,
-                   "ratio": df["step_ms"] / ar["step_ms"],
-                   "published_reference_step_ms": PUBLISHED_REFERENCE_MS.get(name)}  # fmt: skip
-            rows.append(row)
+                   "ratio": df["step_ms"] / ar["step_ms"], "ddtree": {},
+                   "published_reference_step_ms": PUBLISHED_REFERENCE_MS.get(name),
+                   "published_ddtree_step_ms": PUBLISHED_DDTREE_MS.get(name)}  # fmt: skip
             print(f"{name:>14} ({weights}) B={batch:<3} AR {ar['step_ms']:7.3f} ms  "
                   f"DFlash b{drafter.cfg.block_size} {df['step_ms']:7.3f} ms  "
                   f"ratio {row['ratio']:.2f}x  (tau {df['mean_acceptance']:.2f})")  # fmt: skip
+            for budget in args.budgets:
+                dd = step_ms(target, prompts, args, method="ddtree", drafter=drafter,
+                             tree_budget=budget)  # fmt: skip
+                dd["ratio"] = dd["step_ms"] / ar["step_ms"]
+                row["ddtree"][budget] = dd
+                print(f"{'':>14} DDTree B={budget:<4} {dd['step_ms']:7.3f} ms  "
+                      f"ratio {dd['ratio']:.2f}x")  # fmt: skip
+            rows.append(row)
         del target, drafter
     result = {"date": time.strftime("%Y-%m-%d"), "device": dev.device_kind,
               "jax": jax.__version__, "rows": rows,
-              "command": "python bench/dflash_step.py " + " ".join(sys.argv[1:])}  # fmt: skip
+              "command": "python bench/spec_step.py " + " ".join(sys.argv[1:])}  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
 

@@ -1,6 +1,6 @@
-"""DFlash speculative decoding: lossless (greedy token for token, sampling in distribution),
-batched with ragged prompts, stop tokens, cache end, block size at call time, checkpoint
-format and bad input.
+"""Speculative decoding, DFlash (chain) and DDTree (tree): lossless (greedy token for token,
+sampling in distribution), batched with ragged prompts, stop tokens, cache end, block size at
+call time.
 
 Targets are small random HF checkpoints; the small vocabulary (12 tokens) makes a random
 drafter right often enough that multi-token acceptance and ragged progress really happen
@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import kdj
-from kdj.decode import accept as accept_mod
+from kdj.decode import tree as trees
+from kdj.decode.sampling import target_probs
 from kdj.models.drafter import DrafterConfig, build_drafter, default_target_layer_ids
 from tests.hf_models import build
 
@@ -42,17 +43,27 @@ def pair(request, tmp_path_factory):
     return request.param, target, make_drafter(target)
 
 
+# DFlash, and DDTree with a small budget (a few siblings, so paths leave the chain and the
+# cache is compacted) and with one larger than the vocabulary can fill at depth 1
+SPECS = [("dflash", {}), ("ddtree", {"tree_budget": 6}), ("ddtree", {"tree_budget": 40})]
+
+
+@pytest.fixture(params=SPECS, ids=["dflash", "ddtree6", "ddtree40"])
+def spec(request):
+    method, kw = request.param
+    return dict(method=method, **kw)
+
+
 def prompts_for(target, lens=(5, 17, 9, 2), seed=0):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, target.cfg.vocab_size, n).tolist() for n in lens]
 
 
-def test_greedy_equals_ar_ragged_batch_with_mid_batch_stop(pair):
+def test_greedy_equals_ar_ragged_batch_with_mid_batch_stop(pair, spec):
     name, target, drafter = pair
     prompts = prompts_for(target)
     ar = kdj.generate(target, prompts, method="ar", max_new_tokens=40, stop_tokens=[])
-    sp = kdj.generate(target, prompts, drafter=drafter, method="dflash", max_new_tokens=40,
-                      stop_tokens=[])  # fmt: skip
+    sp = kdj.generate(target, prompts, drafter=drafter, max_new_tokens=40, stop_tokens=[], **spec)
     assert sp.tokens == ar.tokens, name
     assert max(max(t) for t in sp.stats["acceptance_lengths"]) > 1, "no draft was ever accepted"
     for toks, taus in zip(sp.tokens, sp.stats["acceptance_lengths"]):
@@ -60,43 +71,60 @@ def test_greedy_equals_ar_ragged_batch_with_mid_batch_stop(pair):
     # a stop token that sequence 1 emits mid-way: it ends there, the others run on
     stop = ar.tokens[1][10]
     ar_s = kdj.generate(target, prompts, method="ar", max_new_tokens=40, stop_tokens=[stop])
-    sp_s = kdj.generate(target, prompts, drafter=drafter, method="dflash", max_new_tokens=40,
-                        stop_tokens=[stop])  # fmt: skip
+    sp_s = kdj.generate(target, prompts, drafter=drafter, max_new_tokens=40, stop_tokens=[stop],
+                        **spec)  # fmt: skip
     assert sp_s.tokens == ar_s.tokens
     assert len(sp_s.tokens[1]) <= 11 and sp_s.tokens[1][-1] == stop
 
 
-def test_block_size_lowered_at_call_time(pair):
+def test_block_size_lowered_at_call_time(pair, spec):
     _, target, drafter = pair
     prompts = prompts_for(target, (7, 3))
     ar = kdj.generate(target, prompts, method="ar", max_new_tokens=25, stop_tokens=[])
     for k in (2, 4):
-        sp = kdj.generate(target, prompts, drafter=drafter, method="dflash", block_size=k,
-                          max_new_tokens=25, stop_tokens=[])  # fmt: skip
+        sp = kdj.generate(target, prompts, drafter=drafter, block_size=k, max_new_tokens=25,
+                          stop_tokens=[], **spec)  # fmt: skip
         assert sp.tokens == ar.tokens
         assert max(max(t) for t in sp.stats["acceptance_lengths"]) <= k
 
 
-def test_generate_to_exactly_the_cache_capacity(pair):
+@pytest.mark.parametrize("budget", [1, 512])
+def test_ddtree_budget_extremes(budget, tmp_path_factory):
+    """Budget 1 (a one-node tree) and 512 (more nodes than a small vocabulary can fill at the
+    first depths, and more than the cache end leaves room for) still equal AR."""
+    path = tmp_path_factory.mktemp("extremes")
+    build("llama", path, vocab_size=VOCAB, num_hidden_layers=2)
+    target = kdj.load_target(path, dtype="float32")
+    drafter = make_drafter(target, layers=1, block=4)
+    prompts = prompts_for(target, (6, 3))
+    kw = dict(max_new_tokens=30, stop_tokens=[])
+    ar = kdj.generate(target, prompts, method="ar", **kw)
+    sp = kdj.generate(target, prompts, drafter=drafter, method="ddtree", tree_budget=budget, **kw)
+    assert sp.tokens == ar.tokens
+    assert sp.stats["mean_tree_size"] <= budget
+
+
+def test_generate_to_exactly_the_cache_capacity(pair, spec):
     """A step near the end must neither write outside the cache nor commit tokens whose K/V
     could not be stored: run until prompt + new tokens == capacity exactly."""
     _, target, drafter = pair
     prompts = prompts_for(target, (20, 11))
     kw = dict(max_new_tokens=[44, 53], stop_tokens=[], cache_size=64)
     ar = kdj.generate(target, prompts, method="ar", **kw)
-    sp = kdj.generate(target, prompts, drafter=drafter, method="dflash", **kw)
+    sp = kdj.generate(target, prompts, drafter=drafter, **spec, **kw)
     assert [len(t) for t in sp.tokens] == [44, 53]
     assert sp.tokens == ar.tokens
 
 
-def test_smollm2_with_random_drafter_matches_ar():
+@pytest.mark.parametrize("spec", [{"method": "dflash"}, {"method": "ddtree", "tree_budget": 16}])
+def test_smollm2_with_random_drafter_matches_ar(spec):
     target = kdj.load_target("smollm2-135m-instruct", dtype="float32")
     drafter = make_drafter(target, layers=1, block=4, ids=(3, 20), mask=0)
     tok = target.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}])
                for q in ("What is the capital of Australia?", "Name three colours.")]  # fmt: skip
     ar = kdj.generate(target, prompts, method="ar", max_new_tokens=16)
-    sp = kdj.generate(target, prompts, drafter=drafter, method="dflash", max_new_tokens=16)
+    sp = kdj.generate(target, prompts, drafter=drafter, max_new_tokens=16, **spec)
     assert sp.tokens == ar.tokens
     assert sp.texts[0] == "The capital of Australia is Canberra."
 
@@ -131,19 +159,18 @@ def chi_square_p_ok(samples, probs, alpha=1e-3):
     return chi2.sf(stat, keep.sum() - 1) > alpha
 
 
-def broken_accept_sampled(drafts, logits, key, temperature, top_p, limit=None):
-    """The classic bug: on rejection, draw the bonus from p instead of p with x removed."""
-    from kdj.decode.sampling import target_probs
+REAL_ACCEPT_TREE = trees.accept_tree
 
-    B, b, _ = logits.shape
-    p = target_probs(logits, temperature, top_p)
-    k_u, k_bonus = jax.random.split(key)
-    p_draft = jnp.take_along_axis(p[:, :-1], drafts[..., None], axis=-1)[..., 0]
-    ok = jax.random.uniform(k_u, p_draft.shape) < p_draft
-    a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
-    a = a if limit is None else jnp.minimum(a, limit)
-    row = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]
-    return a, jax.random.categorical(k_bonus, jnp.log(row), axis=-1).astype(jnp.int32)
+
+def broken_accept_tree(tree, valid, logits, key, temperature, top_p, limit, **kw):
+    """The classic bug: walk correctly, but draw the bonus from the target's p at the last
+    node, ignoring that its drafted children were just rejected (p minus those is right)."""
+    path, a, _ = REAL_ACCEPT_TREE(tree, valid, logits, key, temperature, top_p, limit, **kw)
+    last = jnp.take_along_axis(path, a[:, None], axis=1)[:, 0]
+    row = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+    p = target_probs(row, temperature, top_p)
+    bonus = jax.random.categorical(jax.random.fold_in(key, 99), jnp.log(p), axis=-1)
+    return path, a, bonus.astype(jnp.int32)
 
 
 @pytest.fixture(scope="module")
@@ -154,31 +181,33 @@ def tiny(tmp_path_factory):
     return target, make_drafter(target, layers=1, block=4, seed=3)
 
 
-def sampled_triples(target, drafter, prompt, n, seed):
-    out = kdj.generate(target, [prompt] * n, drafter=drafter, method="dflash", max_new_tokens=3,
-                       temperature=0.9, seed=seed, stop_tokens=[])  # fmt: skip
+def sampled_triples(target, drafter, prompt, n, seed, spec):
+    out = kdj.generate(target, [prompt] * n, drafter=drafter, max_new_tokens=3, temperature=0.9,
+                       seed=seed, stop_tokens=[], **spec)  # fmt: skip
     V = target.cfg.vocab_size
     t = np.array(out.tokens)
     return (t[:, 0] * V + t[:, 1]) * V + t[:, 2], out
 
 
-def test_sampling_is_lossless_and_the_test_catches_a_wrong_bonus(tiny, monkeypatch):
+@pytest.mark.parametrize(
+    "spec", [{"method": "dflash"}, {"method": "ddtree", "tree_budget": 4}], ids=["dflash", "ddtree"]
+)
+def test_sampling_is_lossless_and_the_test_catches_a_wrong_bonus(tiny, monkeypatch, spec):
     """The joint law of the first three sampled tokens (6^3 cells) over 6000 independent
     sequences must match the exact target law (chi-square, significance 0.001); the same test
     must reject an acceptance rule that draws the bonus from p instead of p minus the draft."""
     target, drafter = tiny
     prompt = [1, 2, 3, 4]
     probs = exact_joint(target, prompt, 3, 0.9)
-    good, out = sampled_triples(target, drafter, prompt, 6000, seed=0)
+    good, out = sampled_triples(target, drafter, prompt, 6000, seed=0, spec=spec)
     hist = out.stats["acceptance_histogram"]
     assert sum(hist[1:]) > 500, f"too few accepted drafts to test acceptance: {hist}"
     assert chi_square_p_ok(good, probs)
-    monkeypatch.setattr(accept_mod, "accept_sampled", broken_accept_sampled)
-    monkeypatch.setattr(kdj.decode.dflash, "accept_sampled", broken_accept_sampled)
+    monkeypatch.setattr(trees, "accept_tree", broken_accept_tree)
     kdj.api._EXECUTABLES.clear()
     jax.clear_caches()  # jit caches traces: make it re-trace with the broken rule
     try:
-        bad, _ = sampled_triples(target, drafter, prompt, 6000, seed=0)
+        bad, _ = sampled_triples(target, drafter, prompt, 6000, seed=0, spec=spec)
     finally:
         kdj.api._EXECUTABLES.clear()
         jax.clear_caches()
@@ -222,7 +251,11 @@ def test_bad_pairs_raise_clear_errors(pair, tmp_path):
     with pytest.raises(ValueError, match="block_size must be in"):
         kdj.generate(target, [[1, 2]], drafter=drafter, method="dflash", block_size=1)
     with pytest.raises(ValueError, match="needs a drafter"):
-        kdj.generate(target, [[1, 2]], method="dflash")
+        kdj.generate(target, [[1, 2]], method="ddtree")
+    with pytest.raises(ValueError, match="tree_budget must be >= 1"):
+        kdj.generate(target, [[1, 2]], drafter=drafter, method="ddtree", tree_budget=0)
+    with pytest.raises(ValueError, match="tree_budget applies to method 'ddtree'"):
+        kdj.generate(target, [[1, 2]], drafter=drafter, method="dflash", tree_budget=8)
     wrong = kdj.Drafter(d.__class__(**{**d.__dict__, "layers": d.layers.replace(hidden_size=32)}),
                         drafter.graphdef, drafter.state)  # fmt: skip
     with pytest.raises(ValueError, match="hidden size 32 does not match"):

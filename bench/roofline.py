@@ -1,0 +1,413 @@
+"""Roofline of one target forward step: bytes that must move and FLOPs, against measured time.
+
+For each model and expert format, sweep batch B x tokens per sequence per step T (T = 1 is an
+autoregressive step; T = 8, 16 are verify sizes) and time ONE jitted target forward of
+[B, T] new tokens on top of a cache holding --context tokens per sequence. Account per step:
+
+- bytes: dense weights read once (an untied embedding only gathers B*T rows), plus the
+  routed experts ACTUALLY touched (distinct expert ids per MoE layer, read from the routing
+  of that very step), plus the KV cache read (context + T per sequence) and written (T);
+- FLOPs: 2 x tokens x every matmul weight (routed experts: k assignments per token), plus
+  attention (scores and values over context + T).
+
+and report the achieved fraction of 4.3 TB/s (ANCHORS.md's practical HBM ceiling) and of a
+bf16 matmul rate measured in the same run. For MoE models the MoE layer is also timed alone
+(B x T tokens through one layer: routed experts touched at bandwidth, or at matmul rate).
+
+    python bench/roofline.py --models kimi-k2-slice --experts bf16 int4 --out $OUT/roofline.json
+
+Models: "smollm2-135m-instruct" (real weights), a configs/models/<name>.yaml name or a YAML
+path (random weights: speed does not depend on the values, except MoE routing, which a random
+router spreads about uniformly). --experts bf16 int4 runs both formats on the SAME random
+weights: bf16 first, then quantised in place (kdj.models.deepseek.quantize_experts). Writes JSON,
+a markdown table (.md) and a plot (.png, when matplotlib is installed) next to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import kdj
+from kdj.cache import init_cache
+from kdj.config import ModelConfig, load_yaml
+from kdj.models.deepseek import MoE, quantize_experts, route
+from kdj.models.transformer import build_model
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "models"
+HBM_BPS = 4.3e12  # ANCHORS.md: practical H200 bandwidth ceiling
+EXPERT_PARAMS = ("w_gate_up", "w_down", "gate_up_scale", "down_scale")
+
+
+# ------------------------------------------------------------------------------ ceilings
+def matmul_rate(n: int, repeats: int = 10) -> float:
+    """bf16 FLOP/s of an n x n x n matmul through jax.jit, on random data."""
+    a, b = (jax.random.normal(jax.random.key(i), (n, n), jnp.bfloat16) for i in (0, 1))
+    f = jax.jit(lambda a, b: a @ b)
+    return 2 * n**3 / median_time(lambda: f(a, b), repeats)
+
+
+def median_time(fn, repeats: int) -> float:
+    """Median wall time (s) of fn() after one warm-up call, synchronised on its result."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+# ------------------------------------------------------------------------------ models
+def model_config(name: str) -> ModelConfig:
+    path = Path(name) if name.endswith((".yaml", ".yml")) else CONFIGS / f"{name}.yaml"
+    return ModelConfig.from_hf(load_yaml(path))
+
+
+def build(name: str, layers: int | None, dtype) -> tuple[nnx.Module, str]:
+    """(model, "real" | "random"); layers truncates the stack (a slice of a big model)."""
+    if name == "smollm2-135m-instruct":
+        model = kdj.load_target(name, dtype=dtype).model
+        return model, "real"
+    cfg = model_config(name)
+    if layers:
+        cfg = cfg.replace(num_layers=layers)
+    return build_model(cfg, dtype), "random"
+
+
+# ------------------------------------------------------------------------------ accounting
+def weight_bytes(state, cfg: ModelConfig, tokens: int) -> tuple[int, dict[int, int]]:
+    """(dense bytes a step reads, {layer: routed-expert bytes held}). An untied embedding
+    only gathers `tokens` rows; everything else is read once."""
+    dense, experts = 0, {}
+    for path, var in nnx.to_flat_state(state):
+        x = var.get_value()
+        if path[-1] in EXPERT_PARAMS:
+            experts[path[1]] = experts.get(path[1], 0) + x.nbytes
+        elif path == ("embed",) and not cfg.tie_word_embeddings:
+            dense += tokens * x.shape[1] * x.dtype.itemsize
+        else:
+            dense += x.nbytes
+    return dense, experts
+
+
+def matmul_params(state, cfg: ModelConfig) -> int:
+    """Weights every token multiplies through (routed experts excluded; the embedding
+    counts once, as the tied lm_head or not at all)."""
+    n = 0
+    for path, var in nnx.to_flat_state(state):
+        x = var.get_value()
+        if path[-1] in EXPERT_PARAMS or x.ndim < 2:
+            continue
+        if path == ("embed",) and not cfg.tie_word_embeddings:
+            continue
+        n += int(np.prod(x.shape))
+    return n
+
+
+def step_flops(state, cfg: ModelConfig, B: int, T: int, context: int) -> float:
+    tokens = B * T
+    flops = 2 * tokens * matmul_params(state, cfg)
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    D, I, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    flops += n_moe * 2 * tokens * k * 3 * D * I
+    S = context + T
+    if cfg.family == "deepseek":  # absorbed MLA: scores over C + R, values over C
+        per = cfg.num_heads * (cfg.latent_dim + cfg.kv_lora_rank)
+    else:
+        per = cfg.num_heads * 2 * cfg.head_dim
+    return flops + cfg.num_layers * 2 * tokens * S * per
+
+
+def kv_bytes(cfg: ModelConfig, B: int, T: int, context: int, itemsize: int) -> int:
+    per_tok = cfg.latent_dim if cfg.family == "deepseek" else 2 * cfg.num_kv_heads * cfg.head_dim
+    return cfg.num_layers * B * (context + 2 * T) * per_tok * itemsize  # read context + T, write T
+
+
+# ------------------------------------------------------------------------------ the step
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=4)
+def forward(graphdef, state, tokens, start, cache):
+    logits, cache, _ = nnx.merge(graphdef, state)(tokens, start, cache)
+    return logits, cache
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def routing(graphdef, state, tokens, start, cache):
+    """The same step, returning every MoE layer's expert ids {path: [N, k]}."""
+    model = nnx.merge(graphdef, state)
+    model(tokens, start, cache)
+    return nnx.to_pure_dict(nnx.state(model, nnx.Intermediate))
+
+
+def filled_cache(cfg, B, capacity, context, dtype, seed=0):
+    """A cache of random entries (never time on zeros) holding `context` tokens each."""
+    cache = init_cache(cfg, B, capacity, dtype)
+    keys = jax.random.split(jax.random.key(seed), 2 * cfg.num_layers)
+    k = [jax.random.normal(keys[i], x.shape, x.dtype) for i, x in enumerate(cache.k)]
+    v = [jax.random.normal(keys[-1 - i], x.shape, x.dtype) for i, x in enumerate(cache.v)]
+    lengths = jnp.full((B,), context, jnp.int32)
+    return type(cache)(k=k, v=v, lengths=lengths)
+
+
+def touched_experts(model, state, tokens, start, cache) -> dict[int, int]:
+    """{layer: distinct experts routed to by this step's tokens}."""
+    moes = [m for _, m in nnx.iter_modules(model) if isinstance(m, MoE)]
+    for m in moes:
+        m.record_routing = True
+    graphdef, _ = nnx.split(model)
+    for m in moes:
+        m.record_routing = False
+    ids = routing(graphdef, state, tokens, start, cache)
+    out = {}
+    for layer, sub in ids["layers"].items():
+        (idx,) = sub["mlp"]["routing"]
+        out[int(layer)] = int(np.unique(np.asarray(idx)).size)
+    return out
+
+
+def time_step(model, cfg, B, T, context, repeats, mm_rate) -> dict:
+    graphdef, state = nnx.split(model)
+    dtype = model.embed[...].dtype
+    rng = np.random.default_rng(B * 1000 + T)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)), jnp.int32)
+    start = jnp.full((B,), context, jnp.int32)
+    cache = filled_cache(cfg, B, context + T, context, dtype)
+    touched = touched_experts(model, state, tokens, start, cache) if cfg.n_routed_experts else {}
+    box = [cache]
+
+    def step():
+        logits, box[0] = forward(graphdef, state, tokens, start, box[0])
+        return logits
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(step())
+    compile_s = time.perf_counter() - t0
+    seconds = median_time(step, repeats)
+    dense, held = weight_bytes(state, cfg, B * T)
+    E = cfg.n_routed_experts or 1
+    expert = sum(held[layer] * touched[layer] / E for layer in held)
+    kv = kv_bytes(cfg, B, T, context, dtype.itemsize)
+    total = dense + expert + kv
+    flops = step_flops(state, cfg, B, T, context)
+    return {
+        "batch": B, "tokens_per_seq": T, "context": context, "step_ms": seconds * 1e3,
+        "compile_s": compile_s, "bytes": {"dense": dense, "experts_touched": expert, "kv": kv,
+                                          "total": total},
+        "experts_touched_per_layer": [touched[k] for k in sorted(touched)],
+        "flops": flops, "achieved_TBps": total / seconds / 1e12,
+        "frac_hbm": total / seconds / HBM_BPS, "frac_matmul": flops / seconds / mm_rate,
+        "floor_ms": max(total / HBM_BPS, flops / mm_rate) * 1e3,
+    }  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ MoE alone
+@functools.partial(jax.jit, static_argnums=0)
+def moe_forward(graphdef, state, x):
+    return nnx.merge(graphdef, state)(x)
+
+
+def time_moe(model, cfg, B, T, repeats, mm_rate) -> dict:
+    """One MoE layer on B*T random tokens: routed experts touched + shared + router bytes."""
+    moe = next(m for _, m in nnx.iter_modules(model) if isinstance(m, MoE))
+    graphdef, state = nnx.split(moe)
+    dtype = model.embed[...].dtype
+    x = jax.random.normal(jax.random.key(B * 1000 + T), (B, T, cfg.hidden_size), dtype)
+    bias = None if moe.bias is None else moe.bias[...]
+    _, idx = jax.jit(route, static_argnums=3)(x.reshape(B * T, -1), moe.router[...], bias, cfg)
+    touched = int(np.unique(np.asarray(idx)).size)
+    seconds = median_time(lambda: moe_forward(graphdef, state, x), repeats)
+    held = sum(v.get_value().nbytes for p, v in nnx.to_flat_state(state) if p[-1] in EXPERT_PARAMS)
+    other = sum(
+        v.get_value().nbytes for p, v in nnx.to_flat_state(state) if p[-1] not in EXPERT_PARAMS
+    )
+    routed = held * touched / cfg.n_routed_experts
+    D, I, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    per_token = (k + cfg.n_shared_experts) * 3 * D * I + D * cfg.n_routed_experts  # + router
+    flops = 2 * B * T * per_token
+    return {
+        "batch": B, "tokens_per_seq": T, "ms": seconds * 1e3, "experts_touched": touched,
+        "bytes_routed": routed, "bytes_other": other, "flops": flops,
+        "frac_hbm": (routed + other) / seconds / HBM_BPS, "frac_matmul": flops / seconds / mm_rate,
+    }  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ reporting
+def markdown(result: dict) -> str:
+    lines = [
+        "| model | experts | batch | T | step ms | floor ms | GB/step (dense+experts+KV) "
+        "| experts touched/layer | TB/s | % of 4.3 TB/s | % of matmul rate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        b = r["bytes"]
+        touched = r["experts_touched_per_layer"]
+        mean_touched = f"{np.mean(touched):.0f}" if touched else "-"
+        lines.append(
+            f"| {r['model']} | {r['experts']} | {r['batch']} | {r['tokens_per_seq']} "
+            f"| {r['step_ms']:.3f} | {r['floor_ms']:.3f} | {b['total'] / 1e9:.3f} "
+            f"({b['dense'] / 1e9:.2f}+{b['experts_touched'] / 1e9:.2f}+{b['kv'] / 1e9:.2f}) "
+            f"| {mean_touched} | {r['achieved_TBps']:.2f} | {100 * r['frac_hbm']:.0f}% "
+            f"| {100 * r['frac_matmul']:.1f}% |"
+        )
+    if result["moe_rows"]:
+        lines += [
+            "",
+            "| model | experts | batch | T | MoE layer ms | experts touched | GB | % of 4.3 TB/s "
+            "| % of matmul rate |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in result["moe_rows"]:
+            gb = (r["bytes_routed"] + r["bytes_other"]) / 1e9
+            lines.append(
+                f"| {r['model']} | {r['experts']} | {r['batch']} | {r['tokens_per_seq']} "
+                f"| {r['ms']:.3f} | {r['experts_touched']} | {gb:.3f} "
+                f"| {100 * r['frac_hbm']:.0f}% | {100 * r['frac_matmul']:.1f}% |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> bool:
+    """Achieved fraction of HBM bandwidth and of matmul rate against tokens per step."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    series: dict[tuple, list] = {}
+    for r in result["rows"]:
+        series.setdefault((r["model"], r["experts"], r["tokens_per_seq"]), []).append(r)
+    for (model, experts, T), rows in sorted(series.items()):
+        n = [r["batch"] * T for r in rows]
+        label = f"{model} {experts} T={T}"
+        axes[0].plot(n, [100 * r["frac_hbm"] for r in rows], "o-", label=label)
+        axes[1].plot(n, [100 * r["frac_matmul"] for r in rows], "o-", label=label)
+    for ax, what in zip(axes, ("% of 4.3 TB/s (bytes that must move)", "% of bf16 matmul rate")):
+        ax.set_xscale("log")
+        ax.set_xlabel("tokens per step (batch x T)")
+        ax.set_ylabel(what)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=6)
+    fig.suptitle(f"one target forward step, {result['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# ------------------------------------------------------------------------------ main
+def run(args) -> dict:
+    dev = jax.devices()[0]
+    dtype = jnp.dtype(args.dtype)
+    mm = matmul_rate(args.matmul_size)
+    print(f"device {dev.device_kind}, jax {jax.__version__}, bf16 matmul {mm / 1e12:.1f} TFLOP/s")
+    result = {
+        "date": time.strftime("%Y-%m-%d"), "device": dev.device_kind, "jax": jax.__version__,
+        "python": platform.python_version(), "hbm_ceiling_Bps": HBM_BPS, "matmul_flops": mm,
+        "command": "python bench/roofline.py " + " ".join(args.argv), "rows": [], "moe_rows": [],
+    }  # fmt: skip
+    out = Path(args.out) if args.out else None
+
+    def save():
+        if out is not None:
+            out.write_text(json.dumps(result, indent=2))
+            out.with_suffix(".md").write_text(markdown(result))
+
+    for name in args.models:
+        model, weights = build(name, args.layers, dtype)
+        cfg = model.cfg
+        formats = args.experts if cfg.n_routed_experts else ["bf16"]
+        for fmt in formats:
+            if fmt != "bf16":
+                quantize_experts(model, fmt)  # in place, on the same random weights
+            tag = {"model": name + (f" ({cfg.num_layers}L)" if args.layers else ""),
+                   "weights": weights, "experts": fmt}  # fmt: skip
+            for B in args.batches:
+                for T in args.tokens:
+                    row = {**tag, **time_step(model, cfg, B, T, args.context, args.repeats, mm)}
+                    result["rows"].append(row)
+                    save()
+                    print(
+                        f"{row['model']:>24} {fmt:>5} B={B:<4} T={T:<3} {row['step_ms']:9.3f} ms"
+                        f"  floor {row['floor_ms']:8.3f}  {row['bytes']['total'] / 1e9:7.3f} GB"
+                        f"  {100 * row['frac_hbm']:5.1f}% of 4.3 TB/s"
+                        f"  {100 * row['frac_matmul']:5.1f}% of matmul", flush=True,
+                    )  # fmt: skip
+            if cfg.n_routed_experts:
+                for B, T in args.moe_shapes:
+                    row = {**tag, **time_moe(model, cfg, B, T, args.repeats, mm)}
+                    result["moe_rows"].append(row)
+                    save()
+                    print(
+                        f"{row['model']:>24} {fmt:>5} MoE layer B={B} T={T}: {row['ms']:.3f} ms,"
+                        f" {row['experts_touched']} experts, {100 * row['frac_hbm']:.0f}% of "
+                        f"4.3 TB/s, {100 * row['frac_matmul']:.1f}% of matmul", flush=True,
+                    )  # fmt: skip
+        del model
+    save()
+    if out is not None and plot(result, out.with_suffix(".png")):
+        print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+    print(markdown(result))
+    return result
+
+
+def main(argv=None):
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="roofline", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--models",
+        nargs="+",
+        default=["moonlight-16b-a3b"],
+        help="smollm2-135m-instruct, configs/models/<name> or a YAML path",
+    )
+    p.add_argument(
+        "--experts",
+        nargs="+",
+        default=["bf16"],
+        choices=["bf16", "int4", "fp8"],
+        help="routed-expert formats, bf16 first (MoE models only)",
+    )
+    p.add_argument("--layers", type=int, help="keep only the first N layers (a model slice)")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16, 64, 256])
+    p.add_argument(
+        "--tokens",
+        nargs="+",
+        type=int,
+        default=[1, 8, 16],
+        help="new tokens per sequence per step (1 = AR, 8/16 = verify)",
+    )
+    p.add_argument(
+        "--moe-shapes",
+        nargs="+",
+        type=lambda s: tuple(map(int, s.split("x"))),
+        default=[(1, 16), (256, 16)],
+        help="BxT token shapes for the MoE layer alone",
+    )
+    p.add_argument("--context", type=int, default=512, help="tokens already in the cache")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--matmul-size", type=int, default=8192)
+    p.add_argument("--out", help="JSON path; .md and .png are written beside it")
+    args = p.parse_args(argv)
+    if len(args.experts) > 2 or len(args.experts) == 2 and args.experts[0] != "bf16":
+        p.error("--experts: one format, or bf16 then one quantised format made from its weights")
+    args.argv = argv
+    return run(args)
+
+
+if __name__ == "__main__":
+    main()

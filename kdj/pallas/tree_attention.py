@@ -1,0 +1,250 @@
+"""Tree attention in Pallas (Triton lowering): GQA and MLA-absorbed, flash style with split-K.
+
+Mask form (kdj/models/layers.py): the T new tokens of row b sit in cache slots start[b] ..
+start[b] + T - 1; every query sees all slots < start[b]; among the new slots, query i sees
+start[b] + j iff tree[b, i, j]. So only slots < start[b] + T are read, whatever the capacity.
+
+Work split. One program owns (batch row, KV head, tile of query rows, slot range). Query
+rows are the T nodes x the G = H / KVH heads sharing that KV head (row r = t * G + g), so
+every K/V tile is loaded once and used by all of them; MLA is the case KVH = 1, G = H, over
+one stream whose first C columns are also the values (loaded once, used as K and as V).
+The slot axis is split (flash-decoding): NS programs share the committed prefix
+[0, start) in whole blocks with no mask at all, and one extra program per query tile does
+the tail blocks that hold the tree (masked by start and tree). Each program writes an
+unnormalised f32 partial (o, running max m, running sum l); a small XLA step merges them.
+Without the split, a decode step at batch 1 would run KVH = 8 programs on a 132-SM chip.
+
+Backend: Pallas with the Triton lowering (``jax.experimental.pallas.triton``).
+  * It exists in jax 0.10.2 (CPU CI) and 0.11.2 (H200); 0.11 marks it deprecated (a
+    warning, silenced below), with Mosaic GPU as the successor. But Mosaic GPU kernels have
+    no interpret mode in 0.10.2 and the tests must run this same pallas_call interpreted on
+    CPU; only the Triton-flavoured pallas_call does that in both versions. tokamax and
+    jax-triton are not on the GPU machine, which takes no installs.
+  * Triton wants power-of-two tiles, so the 576-wide MLA head is loaded as 512 + 64.
+
+Measured on the H200, bf16, batch 1, one layer (bench/results/tree_attention.json; % of
+the 4.3 TB/s copy bandwidth, bytes = slots < start + T read once + q + out):
+  * Qwen3-8B GQA, 32K context: T = 17: 116 us, 27 % (XLA reference 234 us, 13 %); T = 65:
+    264 us (ref 608); T = 257: 876 us (ref 1945). Faster than XLA 1.4-2.6x at every
+    T > 1; plain decode (T = 1) 77 us vs 69 us for XLA, so ``attend`` keeps XLA there.
+    Best run at T = 17: 97 us, 32 % (runs differ by ~15 %); the 70 % goal is not met.
+  * DeepSeek-V3 MLA (T * 128 query rows over one stream): compute-bound at every T > 1,
+    where XLA's large matmuls are up to 1.4x faster (T = 17); parity at T >= 65, ahead at
+    T = 1, 32K (108 vs 119 us). ``attend_latent`` picks accordingly.
+Why not 70 %: even at T = 1 (no matmul pressure) the loop streams at ~40 % (77 us at 32K),
+so the memory pipeline (Triton's software pipelining of strided [S, KVH, D] tiles, no TMA)
+is the first limit; past T = 17 the padded MMA work (rows rounded to 64) adds to it.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_TARGET_PROGRAMS = 264  # ~2 waves on the H200's 132 SMs
+
+
+def _pow2_parts(d: int) -> tuple[tuple[int, int], ...] | None:
+    """Split a head width into power-of-two column ranges (offset, size), each >= 16:
+    576 -> ((0, 512), (512, 64)). None if that takes more than three pieces."""
+    parts, off = [], 0
+    for bit in reversed(range(d.bit_length())):
+        size = 1 << bit
+        if d & size:
+            if size < 16:
+                return None
+            parts.append((off, size))
+            off += size
+    return tuple(parts) if 0 < len(parts) <= 3 else None
+
+
+def supported(q_shape, k_shape, v_dim: int, latent: bool) -> bool:
+    """Whether the kernel takes this shape (else callers use the XLA reference)."""
+    _, T, H, Dk = q_shape
+    KVH = k_shape[2]
+    parts = _pow2_parts(Dk)
+    if parts is None or H % KVH or T < 1:
+        return False
+    if latent:
+        return KVH == 1 and parts[0] == (0, v_dim)
+    return v_dim >= 16 and v_dim & (v_dim - 1) == 0
+
+
+def _kernel(
+    start_ref,  # [B] int32
+    tree_ref,  # [B * T * T] int8, flattened
+    q_ref,  # [B, KVH, Rp, Dk]
+    k_ref,  # [B, S, KVH, Dk]
+    *rest,  # v_ref [B, S, KVH, Dv] unless latent; then o [bq, Dv], m [bq], l [bq] blocks
+    T: int,
+    G: int,
+    KVH: int,
+    parts: tuple[tuple[int, int], ...],
+    dv: int,
+    latent: bool,
+    scale: float,
+    bq: int,
+    bk: int,
+    n_prefix_splits: int,
+    precision,
+):
+    v_ref, o_ref, m_ref, l_ref = (None, *rest) if latent else rest
+    b, h = pl.program_id(0) // KVH, pl.program_id(0) % KVH
+    qi, sp = pl.program_id(1), pl.program_id(2)
+
+    rows = qi * bq + jnp.arange(bq)
+    # One Q tile, kept in registers for the whole pass; scale folded in once.
+    qs = [q_ref[b, h, pl.ds(qi * bq, bq), pl.ds(off, size)] for off, size in parts]
+
+    start = start_ref[b]
+    end = start + T  # slots >= end are never read (their contents may be stale)
+    n_full = start // bk  # blocks entirely below start: visible to every query
+
+    def step(blk, carry, tail: bool):
+        o, m, l = carry
+        s0 = blk * bk
+        slots = s0 + jnp.arange(bk)
+        # Tail blocks run past end: read those slots as 0 (stale V times p = 0 could be NaN).
+        masked = dict(mask=(slots < end)[:, None], other=0) if tail else {}
+        ks = [
+            plgpu.load(k_ref.at[b, pl.ds(s0, bk), h, pl.ds(off, size)], **masked)
+            for off, size in parts
+        ]
+        s = sum(plgpu.dot(qp, kp, trans_b=True, precision=precision) for qp, kp in zip(qs, ks))
+        s = s.astype(jnp.float32) * scale
+        if tail:
+            # Tree bit of (row's node, slot - start); rows past T * G are padding.
+            t = jnp.minimum(rows // G, T - 1)
+            j = jnp.clip(slots - start, 0, T - 1)
+            bits = tree_ref[(b * T + t)[:, None] * T + j[None, :]]
+            new = ((slots >= start) & (slots < end))[None, :]
+            visible = (slots < start)[None, :] | (new & (bits != 0))
+            s = jnp.where(visible, s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing seen yet
+        alpha = jnp.exp(m - m_use)
+        p = jnp.exp(s - m_use[:, None])
+        if latent:
+            vt = ks[0]  # the first C columns of the stream are the values: no second read
+        else:
+            vt = plgpu.load(v_ref.at[b, pl.ds(s0, bk), h, :], **masked)
+        pv = plgpu.dot(p.astype(vt.dtype), vt, precision=precision).astype(jnp.float32)
+        return o * alpha[:, None] + pv, m_new, l * alpha + p.sum(axis=1)
+
+    carry = (
+        jnp.zeros((bq, dv), jnp.float32),
+        jnp.full((bq,), -jnp.inf, jnp.float32),
+        jnp.zeros((bq,), jnp.float32),
+    )
+    # Prefix programs sp < NS share the n_full unmasked blocks; program NS does the tail.
+    per = pl.cdiv(n_full, n_prefix_splits)
+    lo, hi = jnp.minimum(sp * per, n_full), jnp.minimum((sp + 1) * per, n_full)
+    carry = lax.fori_loop(lo, hi, functools.partial(step, tail=False), carry)
+    is_tail = sp == n_prefix_splits
+    lo, hi = jnp.where(is_tail, n_full, 0), jnp.where(is_tail, pl.cdiv(end, bk), 0)
+    o, m, l = lax.fori_loop(lo, hi, functools.partial(step, tail=True), carry)
+    o_ref[...] = o
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _flash(q, k, v, start, tree, scale, *, G, latent, dv, cfg, interpret):
+    """q [B, KVH, R, Dk] (rows t * G + g) -> [B, KVH, R, dv] f32, normalised."""
+    B, KVH, R, Dk = q.shape
+    S = k.shape[1]
+    T = tree.shape[1]
+    bq = cfg.get("block_q") or max(16, min(64, pl.next_power_of_2(R)))
+    bk = cfg.get("block_k") or 64  # H200 sweep: MLA 64 beat 16/32 by 1.4-2.3x
+    nq = pl.cdiv(R, bq)
+    Rp = nq * bq
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, Rp - R), (0, 0)))
+    ns = cfg.get("num_splits") or max(
+        1, min(pl.cdiv(_TARGET_PROGRAMS, B * KVH * nq), S // (8 * bk))
+    )
+    parts = _pow2_parts(Dk)
+    kernel = functools.partial(
+        _kernel,
+        T=T,
+        G=G,
+        KVH=KVH,
+        parts=parts,
+        dv=dv,
+        latent=latent,
+        scale=float(scale),
+        bq=bq,
+        bk=bk,
+        n_prefix_splits=ns,
+        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
+    )
+    ins = [start.astype(jnp.int32), tree.astype(jnp.int8).reshape(-1), q, k]
+    if not latent:
+        ins.append(v)
+    out_shape = [
+        jax.ShapeDtypeStruct((B * KVH, ns + 1, Rp, dv), jnp.float32),
+        jax.ShapeDtypeStruct((B * KVH, ns + 1, Rp), jnp.float32),
+        jax.ShapeDtypeStruct((B * KVH, ns + 1, Rp), jnp.float32),
+    ]
+    out_specs = [
+        pl.BlockSpec((None, None, bq, dv), lambda i, j, s: (i, s, j, 0)),
+        pl.BlockSpec((None, None, bq), lambda i, j, s: (i, s, j)),
+        pl.BlockSpec((None, None, bq), lambda i, j, s: (i, s, j)),
+    ]
+    full = [pl.BlockSpec(x.shape, lambda i, j, s, n=x.ndim: (0,) * n) for x in ins]
+    with warnings.catch_warnings():
+        # jax 0.11 deprecates the Triton lowering (see the module docstring): say it once here.
+        warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
+        o, m, l = pl.pallas_call(
+            kernel,
+            grid=(B * KVH, nq, ns + 1),
+            in_specs=full,
+            out_specs=out_specs,
+            out_shape=out_shape,
+            compiler_params=plgpu.CompilerParams(
+                num_warps=cfg.get("num_warps") or (8 if latent else 4),
+                num_stages=cfg.get("num_stages") or 2,
+            ),
+            interpret=interpret,
+            name="tree_attention_mla" if latent else "tree_attention_gqa",
+        )(*ins)
+    # Merge the split partials: weights exp(m_i - max m); empty splits (m = -inf) weigh 0,
+    # and a row that saw nothing at all (l = 0) comes out as 0 rather than NaN.
+    big = m.max(axis=1, keepdims=True)
+    w = jnp.exp(m - jnp.where(big == -jnp.inf, 0.0, big))
+    den = (w * l).sum(axis=1)
+    o = (w[..., None] * o).sum(axis=1) / jnp.where(den == 0, 1.0, den)[..., None]
+    return o[:, :R].reshape(B, KVH, R, dv)
+
+
+def tree_attention(q, k, v, start, tree, scale: float, *, interpret: bool = False, **cfg):
+    """GQA tree attention. q [B, T, H, Dk]; k [B, S, KVH, Dk]; v [B, S, KVH, Dv]; start [B]
+    int32; tree [B, T, T] bool. Returns [B, T, H, Dv] in q's dtype. ``cfg``: block_q,
+    block_k, num_splits, num_warps, num_stages (defaults tuned on the H200)."""
+    B, T, H, Dk = q.shape
+    KVH, Dv = k.shape[2], v.shape[-1]
+    G = H // KVH
+    # [B, T, KVH, G, Dk] -> [B, KVH, T * G, Dk]: a KV head's queries become one row block.
+    qr = q.reshape(B, T, KVH, G, Dk).transpose(0, 2, 1, 3, 4).reshape(B, KVH, T * G, Dk)
+    o = _flash(qr, k, v, start, tree, scale, G=G, latent=False, dv=Dv, cfg=cfg, interpret=interpret)
+    o = o.reshape(B, KVH, T, G, Dv).transpose(0, 2, 1, 3, 4).reshape(B, T, H, Dv)
+    return o.astype(q.dtype)
+
+
+def latent_tree_attention(
+    q, kv, start, tree, scale: float, v_dim: int, *, interpret: bool = False, **cfg
+):
+    """MLA absorbed tree attention. q [B, T, H, C + R]; kv [B, S, 1, C + R], whose first
+    v_dim = C columns are the values; start [B]; tree [B, T, T]. Returns [B, T, H, C]."""
+    B, T, H, Dk = q.shape
+    qr = q.reshape(B, 1, T * H, Dk)  # KVH = 1: rows t * H + h, no transpose needed
+    o = _flash(qr, kv, None, start, tree, scale, G=H, latent=True, dv=v_dim, cfg=cfg,
+               interpret=interpret)  # fmt: skip
+    return o.reshape(B, T, H, v_dim).astype(q.dtype)
+
+
+__all__ = ["latent_tree_attention", "supported", "tree_attention"]

@@ -1,0 +1,56 @@
+"""bench/roofline.py runs end to end on a tiny MoE config on CPU (through `kdj bench`) and
+writes consistent JSON + markdown; no timing assertions."""
+
+from __future__ import annotations
+
+import json
+
+from kdj.cli import main
+
+TINY_MOE = """
+model_type: deepseek_v3
+vocab_size: 128
+hidden_size: 64
+intermediate_size: 96
+moe_intermediate_size: 32
+num_hidden_layers: 2
+num_attention_heads: 4
+num_key_value_heads: 4
+q_lora_rank: null
+kv_lora_rank: 32
+qk_nope_head_dim: 16
+qk_rope_head_dim: 8
+v_head_dim: 16
+n_routed_experts: 16
+n_shared_experts: 1
+num_experts_per_tok: 2
+first_k_dense_replace: 1
+max_position_embeddings: 256
+"""
+
+
+def test_roofline_smoke(tmp_path):
+    cfg = tmp_path / "tiny-moe.yaml"
+    cfg.write_text(TINY_MOE)
+    out = tmp_path / "roofline.json"
+    args = ["--models", str(cfg), "--experts", "bf16", "int4", "--batches", "1", "4",
+            "--tokens", "1", "--moe-shapes", "1x4", "--context", "8", "--repeats", "1",
+            "--matmul-size", "64", "--out", str(out)]  # fmt: skip
+    assert main(["bench", *args]) == 0
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [(r["experts"], r["batch"]) for r in rows] == [
+        ("bf16", 1), ("bf16", 4), ("int4", 1), ("int4", 4)
+    ]  # fmt: skip
+    for r in rows:
+        b = r["bytes"]
+        assert b["total"] == b["dense"] + b["experts_touched"] + b["kv"] > 0
+        assert r["flops"] > 0 and r["step_ms"] > 0
+        # one MoE layer: top-2 of 16 experts, so 1 token touches exactly 2, 4 tokens 2..8
+        (touched,) = r["experts_touched_per_layer"]
+        assert touched == 2 if r["batch"] == 1 else 2 <= touched <= 8
+    bf16, int4 = rows[0], rows[2]  # same weights, same routing; INT4 experts hold fewer bytes
+    assert bf16["experts_touched_per_layer"] == int4["experts_touched_per_layer"]
+    assert int4["bytes"]["experts_touched"] < bf16["bytes"]["experts_touched"] / 3
+    assert len(result["moe_rows"]) == 2
+    assert "| % of 4.3 TB/s |" in out.with_suffix(".md").read_text()

@@ -1,0 +1,143 @@
+"""Pallas tree-attention kernels (interpret mode on CPU) against the XLA reference.
+
+The same pallas_call runs on the H200 (bench/tree_attention.py checks it there too). Shapes
+are small so the file runs in well under a minute on two cores; lengths are chosen off the
+block sizes, start is ragged across the batch, trees are random and prefix-closed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kdj.models.layers import causal_tree, reference_attention
+from kdj.pallas import tree_attention as ta
+from kdj.pallas.tree_attention import supported
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def _interpreted(fn, n_static):
+    """Kernel entry point in interpret mode, jitted: one compile instead of an eager
+    interpretation (twice as fast on CPU); the trailing float/config arguments are static."""
+
+    def call(*args, **cfg):
+        f = functools.partial(fn, interpret=True, **cfg)
+        static = tuple(range(len(args) - n_static, len(args)))
+        return jax.jit(f, static_argnums=static)(*args)
+
+    return call
+
+
+tree_attention = _interpreted(ta.tree_attention, 1)  # (q, k, v, start, tree, scale)
+latent_tree_attention = _interpreted(ta.latent_tree_attention, 2)  # (..., scale, v_dim)
+
+
+def random_trees(rng, B, T):
+    """[B, T, T] ancestors-and-self masks of random trees with parent < child."""
+    out = np.zeros((B, T, T), bool)
+    for b in range(B):
+        out[b, 0, 0] = True
+        for i in range(1, T):
+            out[b, i] = out[b, int(rng.integers(0, i))]
+            out[b, i, i] = True
+    return jnp.asarray(out)
+
+
+def inputs(seed, B, T, H, KVH, dk, dv, dtype, extra=37):
+    """Random q/k/v, ragged start (each row's T new slots fit in S; S off the block sizes)."""
+    rng = np.random.default_rng(seed)
+    start = rng.integers(0, extra + 1, size=B).astype(np.int32)
+    start[0] = extra  # one row with the longest prefix, one likely short
+    S = extra + T + 3
+    n = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)  # noqa: E731
+    q, k, v = n(B, T, H, dk), n(B, S, KVH, dk), n(B, S, KVH, dv)
+    return rng, q, k, v, jnp.asarray(start)
+
+
+def check(out, ref, dtype):
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    o, r = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.isfinite(o).all()
+    np.testing.assert_allclose(o, r, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+# T = 1 (decode), 5, 17 (DFlash block), 64, 257 (DDTree budget 256): none a block multiple
+# except 64, which lands on a block edge.
+GQA_CASES = [
+    (1, jnp.float32, {}),
+    (5, jnp.bfloat16, {"block_k": 16, "num_splits": 3}),
+    (17, jnp.float32, {"block_k": 16, "block_q": 32}),
+    (64, jnp.bfloat16, {"block_k": 32}),
+    (257, jnp.float32, {"block_k": 64, "block_q": 64}),
+]
+
+
+@pytest.mark.parametrize("T,dtype,cfg", GQA_CASES)
+def test_gqa_random_tree(T, dtype, cfg):
+    B, H, KVH, hd = (2, 8, 2, 64) if T > 64 else (3, 8, 2, 64)
+    rng, q, k, v, start = inputs(T, B, T, H, KVH, hd, hd, dtype)
+    tree = random_trees(rng, B, T)
+    out = tree_attention(q, k, v, start, tree, hd**-0.5, **cfg)
+    check(out, reference_attention(q, k, v, start, tree, hd**-0.5), dtype)
+
+
+def test_gqa_causal_long_prefix(dtype=jnp.float32):
+    """Causal prefill-like chain over a prefix of several blocks split across programs."""
+    B, T, H, KVH, hd = 2, 9, 4, 1, 32
+    _, q, k, v, start = inputs(7, B, T, H, KVH, hd, 16, dtype, extra=201)
+    tree = causal_tree(B, T)
+    out = tree_attention(q, k, v, start, tree, 0.3, block_k=16, num_splits=4)
+    check(out, reference_attention(q, k, v, start, tree, 0.3), dtype)
+
+
+@pytest.mark.parametrize(
+    "T,dtype,cfg",
+    [(1, jnp.float32, {}), (5, jnp.bfloat16, {"block_k": 16}), (17, jnp.float32, {"block_k": 32})],
+)
+def test_mla_random_tree(T, dtype, cfg):
+    """Absorbed MLA: 80-wide heads (64 + 16, loaded as two pieces), values = first 64."""
+    B, H, C, R = 3, 4, 64, 16
+    rng, q, kv, _, start = inputs(100 + T, B, T, H, 1, C + R, 1, dtype)
+    tree = random_trees(rng, B, T)
+    out = latent_tree_attention(q, kv, start, tree, 0.1, C, **cfg)
+    check(out, reference_attention(q, kv, kv[..., :C], start, tree, 0.1), dtype)
+
+
+def test_mask_error_is_caught():
+    """Dropping one visible tree edge changes the answer by far more than the tolerance, so
+    a kernel that misread the tree would fail the comparisons above."""
+    B, T, H, KVH, hd = 2, 17, 8, 2, 64
+    rng, q, k, v, start = inputs(3, B, T, H, KVH, hd, hd, jnp.float32)
+    tree = np.array(random_trees(rng, B, T))
+    out = tree_attention(q, k, v, start, jnp.asarray(tree), 0.125, block_k=16)
+    tree[1, T - 1, 0] = False  # node T-1 no longer sees the root
+    wrong = reference_attention(q, k, v, start, jnp.asarray(tree), 0.125)
+    with pytest.raises(AssertionError):
+        check(out, wrong, jnp.float32)
+
+
+def test_fully_masked_row_is_finite():
+    """A query that sees nothing (start 0, empty tree row) gives no NaN; other rows are exact."""
+    B, T, H, KVH, hd = 1, 5, 4, 2, 32
+    _, q, k, v, _ = inputs(5, B, T, H, KVH, hd, hd, jnp.float32)
+    start = jnp.zeros((B,), jnp.int32)
+    tree = np.array(causal_tree(B, T))
+    tree[0, 2, :] = False
+    out = np.asarray(tree_attention(q, k, v, start, jnp.asarray(tree), 0.2))
+    ref = np.asarray(reference_attention(q, k, v, start, jnp.asarray(tree), 0.2))
+    assert np.isfinite(out).all()
+    keep = np.arange(T) != 2
+    np.testing.assert_allclose(out[:, keep], ref[:, keep], atol=1e-5, rtol=1e-5)
+
+
+def test_supported_shapes():
+    assert supported((1, 17, 32, 128), (1, 99, 8, 128), 128, latent=False)
+    assert supported((1, 17, 128, 576), (1, 99, 1, 576), 512, latent=True)
+    assert not supported((1, 17, 12, 20), (1, 99, 4, 20), 20, latent=False)  # 20 = 16 + 4
+    assert not supported((1, 17, 12, 64), (1, 99, 5, 64), 64, latent=False)  # H % KVH
+    assert not supported((1, 17, 16, 96), (1, 99, 1, 96), 48, latent=True)  # V not 1st piece
