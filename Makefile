@@ -20,9 +20,11 @@ $(VENV)/.test: $(VENV)/.runtime
 install: $(VENV)/.runtime
 install-test: $(VENV)/.test
 
-# Speculative generation with the embedded default pair (plain decoding until a drafter lands).
+# Speculative generation with the embedded default pair: SmolLM2-135M-Instruct + kdj's DFlash
+# drafter (kdj/assets/smollm2-135m-dflash-b16).
 run: install
-	$(VENV)/bin/kdj generate --prompt "What is the capital of Australia?"
+	$(VENV)/bin/kdj generate --config configs/runs/smollm2-dflash.yaml \
+		--prompt "What is the capital of Australia?"
 
 lint: install-test
 	$(VENV)/bin/ruff check kdj tests bench

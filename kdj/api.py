@@ -15,16 +15,24 @@ from flax import nnx
 
 from kdj.cache import init_cache
 from kdj.config import ModelConfig
+from kdj.cost import StepCost
 from kdj.decode import autoregressive as ar
 from kdj.decode import speculative
+from kdj.decode.tree import DraftShape
 from kdj.models.drafter import DrafterConfig
 from kdj.sharding import Sharding
 from kdj.sharding.apply import as_sharding, mark_experts, shard_cache, shard_model
 from kdj.tokenizer import Tokenizer, load_tokenizer
 
 BUILTIN_TARGETS = ("smollm2-135m-instruct",)
+# Drafters shipped inside the package (kdj/assets/<name>/, published DFlash format).
+ASSETS = Path(__file__).resolve().parent / "assets"
+BUILTIN_DRAFTERS = ("smollm2-135m-dflash-b16",)
 METHODS = ("ar", "dflash", "ddtree", "auto")
 DEFAULT_TREE_BUDGET = 64  # DDTree nodes per step when the caller gives none
+# method="auto": what a step may verify, chosen per step by the controller. Each entry is
+# compiled once into the same program; "chain" means the drafter's full block.
+DEFAULT_MENU = ("none", "chain", "tree16", "tree64", "tree256")
 
 
 @dataclasses.dataclass
@@ -148,14 +156,20 @@ class Drafter:
 
 
 def load_drafter(source, target: Target | None = None, dtype=None, mesh=None) -> Drafter:
-    """Load a DFlash drafter (published checkpoint format). With `target`, check the pair fits
-    (hidden size, vocabulary, feature layers) and use the target's dtype."""
+    """Load a DFlash drafter (published checkpoint format: a directory, or a built-in name from
+    BUILTIN_DRAFTERS). With `target`, check the pair fits (hidden size, vocabulary, feature
+    layers) and use the target's dtype."""
     from kdj.checkpoints.dflash import load_drafter_checkpoint
 
     dtype = jnp.dtype(dtype or (target.dtype if target is not None else "bfloat16"))
     path = Path(source)
+    if str(source) in BUILTIN_DRAFTERS and not path.exists():
+        path = ASSETS / str(source)
     if not path.exists():
-        raise FileNotFoundError(f"drafter {str(source)!r} not found (give a DFlash checkpoint dir)")
+        raise FileNotFoundError(
+            f"drafter {str(source)!r} not found (give a DFlash checkpoint dir or one of the "
+            f"built-in names {BUILTIN_DRAFTERS})"
+        )
     if mesh is None and target is not None:
         mesh = target.sharding  # the drafter lives on its target's mesh
     drafter = Drafter.from_model(load_drafter_checkpoint(path, dtype), path.name, mesh)
@@ -278,19 +292,27 @@ def generate(
     tokenizer: Tokenizer | None = None,
     mesh=None,
     cache_size: int | None = None,
+    menu=None,
+    cost=None,
+    calibration: float = 1.0,
 ) -> GenerateOutput:
     """Generate for a batch of prompts (strings or token-id lists of any lengths).
 
-    method "ar" is plain decoding; "auto" picks "ar" when no drafter is given. max_new_tokens
+    method "ar" is plain decoding; "dflash" verifies the drafter's chain, "ddtree" a tree of
+    `tree_budget` nodes. "auto" is "ar" without a drafter; with one, every step picks from
+    `menu` (default DEFAULT_MENU: "none", "chain", "chainN", "treeN") what maximises expected
+    tokens per second, from the drafter's confidence (temperature-scaled by `calibration`)
+    and `cost` (a kdj.cost.StepCost or its JSON path, as `kdj bench` fits it; default: a
+    conservative estimate from the target's shapes). max_new_tokens
     may be one int or one per prompt; stop_tokens one list or one list per prompt (default:
     the tokenizer's end-of-turn ids, else the config's eos). cache_size fixes the KV-cache
     capacity (default: the longest prompt + max_new_tokens, rounded up).
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
-    if method == "auto":
-        method = "ar" if drafter is None else "dflash"
-    speculative_ = method in ("dflash", "ddtree")
+    if method == "auto" and drafter is None:
+        method = "ar"
+    speculative_ = method in ("dflash", "ddtree", "auto")
     if speculative_ and drafter is None:
         raise ValueError(f"method {method!r} needs a drafter (kdj.load_drafter)")
     if speculative_:
@@ -301,6 +323,15 @@ def generate(
             raise ValueError(f"tree_budget must be >= 1 (got {tree_budget})")
     elif tree_budget is not None:
         raise ValueError(f"tree_budget applies to method 'ddtree', not {method!r}")
+    if menu is not None and method != "auto":
+        raise ValueError(f"menu applies to method 'auto' with a drafter, not {method!r}")
+    if speculative_:
+        shapes = _menu(method, menu, block_size, tree_budget)
+        if len(shapes) > 1:
+            cost = _step_cost(target.cfg) if cost is None else cost
+            cost = cost if isinstance(cost, StepCost) else StepCost.load(cost)
+        if not calibration > 0:
+            raise ValueError(f"calibration must be a positive temperature (got {calibration})")
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1 (got {temperature}, {top_p})")
     if mesh is not None and as_sharding(mesh) != target.sharding:
@@ -348,7 +379,7 @@ def generate(
     run = (
         _run_ar
         if method == "ar"
-        else functools.partial(_run_speculative, drafter, block_size, tree_budget or 0)
+        else functools.partial(_run_speculative, drafter, block_size, shapes, cost, calibration)
     )
     res = run(target, jnp.asarray(tokens), jnp.asarray(lens, jnp.int32), capacity,
               jnp.asarray(max_new, jnp.int32), stop, sampling, temperature == 0.0)  # fmt: skip
@@ -380,6 +411,11 @@ def generate(
     }
     if speculative_:
         stats["block_size"] = block_size
+    if method == "auto":
+        picked = [str(shapes[i]) for i in res["choices"][: res["steps"]]]
+        stats["menu"] = [str(s) for s in shapes]
+        stats["draft_choices"] = picked  # per step, for the whole batch
+        stats["draft_choice_counts"] = {str(s): picked.count(str(s)) for s in shapes}
     if method == "ddtree":
         sizes = [int(s) for row in res["sizes"][:B] for s in row if s > 0]
         stats["tree_budget"] = tree_budget
@@ -418,9 +454,41 @@ def _run_ar(target, tokens, lens, capacity, max_new, stop, sampling, greedy):
                 prefill_s=pre_s, decode_s=dec_s)  # fmt: skip
 
 
-def _run_speculative(drafter, block_size, tree_budget, target, tokens, lens, capacity, max_new,
-                     stop, sampling, greedy):  # fmt: skip
+def _menu(method, menu, block_size, tree_budget) -> tuple[DraftShape, ...]:
+    """The static tuple of DraftShapes the step may verify, parsed and checked."""
+    if method == "dflash":
+        return (DraftShape("chain", block_size - 1),)
+    if method == "ddtree":
+        return (DraftShape("tree", tree_budget),)
+    shapes = []
+    for item in DEFAULT_MENU if menu is None else menu:
+        item = str(item)
+        kind = item.rstrip("0123456789")
+        size = item[len(kind) :]
+        if kind == "chain":
+            size = size or block_size - 1
+        try:
+            shape = DraftShape(kind, int(size or 0))
+        except ValueError as e:
+            msg = f"bad menu entry {item!r}: {e}; use none, chain, chainN or treeN"
+            raise ValueError(msg) from None
+        if kind == "chain" and not 1 <= shape.size <= block_size - 1:
+            raise ValueError(f"menu entry {item!r}: a chain holds 1..{block_size - 1} drafts")
+        shapes.append(shape)
+    if not shapes or len(set(shapes)) != len(shapes):
+        raise ValueError(f"menu needs distinct entries (got {list(menu or DEFAULT_MENU)})")
+    return tuple(shapes)
+
+
+@functools.cache
+def _step_cost(cfg) -> StepCost:
+    return StepCost.for_config(cfg)
+
+
+def _run_speculative(drafter, block_size, shapes, cost, calibration, target, tokens, lens,
+                     capacity, max_new, stop, sampling, greedy):  # fmt: skip
     key, temp, topp = sampling["key"], sampling["temperature"], sampling["top_p"]
+    cal = jnp.float32(calibration)
     B = tokens.shape[0]
     tcache = shard_cache(init_cache(target.cfg, B, capacity, target.dtype), target.sharding)
     dcache = shard_cache(
@@ -432,14 +500,14 @@ def _run_speculative(drafter, block_size, tree_budget, target, tokens, lens, cap
                     topp, greedy=greedy)  # fmt: skip
     first_shape = jax.ShapeDtypeStruct((B,), jnp.int32)
     dec = _compiled(speculative.decode_loop, tg, ts, dg, ds, tcache, dcache, first_shape, max_new,
-                    stop, key, temp, topp, greedy=greedy, max_steps=int(max_new.max()),
-                    block_size=block_size, tree_budget=tree_budget)  # fmt: skip
+                    stop, key, temp, topp, cal, greedy=greedy, max_steps=int(max_new.max()),
+                    block_size=block_size, shapes=shapes, cost=cost)  # fmt: skip
     compile_s = time.perf_counter() - t0
-    (out, n_out, taus, sizes, steps, _, _), pre_s, dec_s = _timed(
+    (out, n_out, taus, sizes, choices, steps, _, _), pre_s, dec_s = _timed(
         lambda: pre(ts, ds, tokens, lens, tcache, dcache, key, temp, topp),
-        lambda r: dec(ts, ds, r[1], r[2], r[0], max_new, stop, key, temp, topp),
+        lambda r: dec(ts, ds, r[1], r[2], r[0], max_new, stop, key, temp, topp, cal),
     )
-    return dict(out=out, n_out=n_out, steps=int(steps), taus=taus, sizes=sizes,
+    return dict(out=out, n_out=n_out, steps=int(steps), taus=taus, sizes=sizes, choices=choices,
                 compile_s=compile_s, prefill_s=pre_s, decode_s=dec_s)  # fmt: skip
 
 

@@ -285,3 +285,17 @@ def test_default_target_layer_ids_formula():
     assert default_target_layer_ids(61, 6) == (1, 12, 24, 35, 47, 58)  # Kimi K2
     assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)  # Qwen3-8B
     assert default_target_layer_ids(30, 1) == (15,)
+
+
+@pytest.mark.parametrize("spec", [{"method": "dflash"}, {"method": "ddtree", "tree_budget": 16}])
+def test_trained_smollm2_drafter_is_lossless(spec):
+    """The real pair: SmolLM2 with kdj's trained drafter (kdj/assets), greedy == AR."""
+    target = kdj.load_target("smollm2-135m-instruct", dtype="float32")
+    drafter = kdj.load_drafter("smollm2-135m-dflash-b16", target=target)
+    tok = target.tokenizer
+    questions = ("Write a haiku about rain.", "How do I sort a list in Python?")
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+    ar = kdj.generate(target, prompts, method="ar", max_new_tokens=32)
+    sp = kdj.generate(target, prompts, drafter=drafter, max_new_tokens=32, **spec)
+    assert sp.tokens == ar.tokens
+    assert sp.stats["mean_acceptance"] > 1.0  # trained: it does get drafts accepted

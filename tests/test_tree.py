@@ -106,14 +106,18 @@ def test_tree_verify_and_compaction_equal_plain_decoding_of_the_path(target):
     tree = trees.build_trees(lp, 10)
     tokens, positions, mask, valid = trees.verify_inputs(tree, last, L, S)
     logits, cache, _ = model(tokens, L, cache, positions=positions, tree=mask)
-    # the deepest node listed last: its path is not 0, 1, 2, .. since depth 1 has siblings
+    # the deepest path that is not the chain 0, 1, 2, .. (so compaction must move rows)
     parent, depth = np.asarray(tree["parent"][0]), np.asarray(tree["depth"][0])
-    node = int(np.flatnonzero(depth == depth.max())[-1])
-    chain = [node]
-    while parent[chain[-1]] >= 0:
-        chain.append(int(parent[chain[-1]]))
-    path = [0] + [i + 1 for i in reversed(chain)]  # verify indices, root first
-    assert path != list(range(len(path))), "pick a path that needs compaction"
+
+    def path_to(node):
+        up = [node]
+        while parent[up[-1]] >= 0:
+            up.append(int(parent[up[-1]]))
+        return [0] + [i + 1 for i in reversed(up)]  # verify indices, root first
+
+    paths = [path_to(i) for i in np.argsort(-depth, kind="stable")]
+    path = next(p for p in paths if p != list(range(len(p))))
+    assert len(path) >= 3
     a = len(path) - 1
     cache = trees.compact(cache, jnp.asarray([path]), jnp.asarray([a]))
 

@@ -73,19 +73,42 @@ def draft(target, drafter, dcache: KVCache, last, pending, n_pend, k: int):
     return jax.nn.log_softmax(target.logits(h[:, 1:]), axis=-1), dcache
 
 
+def choose(shapes, lp, full, active, cost, calibration, context):
+    """The adaptive controller: index into `shapes` maximising expected committed tokens per
+    predicted second for the whole batch (all rows run the same shapes, finished ones too).
+
+    lp [B, L, V] draft log-probs, recalibrated by temperature `calibration` (fitted on
+    held-out data; 1.0 = as the drafter says); full: the largest tree of the menu; cost: a
+    kdj.cost.StepCost; context: mean committed length. Returns (index, expected [S] tokens).
+    """
+    lp_cal = jax.nn.log_softmax(lp * (1.0 / calibration), axis=-1)
+    B = lp.shape[0]
+    gains, seconds = [], []
+    for shape in shapes:
+        tree = trees.draft_tree(shape, lp, full)
+        gains.append(jnp.sum(jnp.where(active, trees.expected_tokens(shape, tree, lp_cal), 0.0)))
+        nodes = 0 if shape.kind == "none" else shape.size
+        seconds.append(cost.seconds(B, 1 + nodes, context))
+    gains = jnp.stack(gains)
+    return jnp.argmax(gains / jnp.stack(seconds).astype(jnp.float32)), gains
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("tgraph", "dgraph", "greedy", "max_steps", "block_size", "tree_budget"),
+    static_argnames=("tgraph", "dgraph", "greedy", "max_steps", "block_size", "shapes", "cost"),
     donate_argnames=("tcache", "dcache"),
 )
 def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, stop_ids, key,
-                temperature, top_p, *, greedy, max_steps, block_size, tree_budget):  # fmt: skip
+                temperature, top_p, calibration, *, greedy, max_steps, block_size, shapes,
+                cost):  # fmt: skip
     """Speculative generation until every sequence hit a stop token or its own max_new.
 
-    tree_budget 0 drafts DFlash's chain, B > 0 a DDTree of B nodes. max_steps = max(max_new).
+    shapes: the static menu of trees.DraftShape a step may verify; with one entry every step
+    verifies it (DFlash: chain k - 1; DDTree: tree B), with several the controller (`choose`,
+    needs `cost`) picks one per step and `lax.switch` runs it. max_steps = max(max_new).
     Returns (out [B, max_steps] int32, n_out [B], taus [B, max_steps] (tokens committed per
-    step, 0 once finished), sizes [B, max_steps] (tree nodes verified per step), steps,
-    tcache, dcache).
+    step, 0 once finished), sizes [B, max_steps] (draft nodes verified per step), choices
+    [max_steps] (index into shapes per step), steps, tcache, dcache).
     """
     target, drafter = nnx.merge(tgraph, tstate), nnx.merge(dgraph, dstate)
     k = block_size
@@ -99,6 +122,24 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
     taus = jnp.zeros((B, max_steps), jnp.int32)
     pending = jnp.zeros((B, k, D), tcache.k[0].dtype)
     n_pend = jnp.zeros((B,), jnp.int32)
+    trees_in_menu = [s.size for s in shapes if s.kind == "tree"]
+
+    def verify(shape, lp, full, tcache, last, limit, step_key):
+        """One target pass over root + the shape's tree, acceptance walk and compaction."""
+        L = tcache.lengths
+        tree = trees.draft_tree(shape, lp, full)
+        tokens, positions, mask, valid = trees.verify_inputs(tree, last, L, S)
+        logits, tcache, taps = target(
+            tokens, L, tcache, positions=positions, tree=mask, taps=drafter.cfg.target_layer_ids
+        )
+        path, a, bonus = trees.accept_tree(
+            tree, valid, logits, step_key, temperature, top_p, limit, max_depth=k - 1,
+            greedy=greedy,
+        )  # fmt: skip
+        tcache = trees.compact(tcache, path, a)
+        accepted = jnp.take_along_axis(tokens, path[:, 1:], axis=1)  # [B, k - 1]
+        feats = jnp.take_along_axis(_features(taps), path[:, :, None], axis=1)  # [B, k, K*D]
+        return tcache, a, bonus, accepted, feats.astype(pending.dtype), valid.sum(1)
 
     def cond(c):
         return (c["step"] < max_steps) & ~jnp.all(c["done"])
@@ -107,24 +148,23 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         tcache, dcache, last = c["tcache"], c["dcache"], c["last"]
         L = tcache.lengths
         lp, dcache = draft(target, drafter, dcache, last, c["pending"], c["n_pend"], k)
-        tree = trees.build_trees(lp, tree_budget) if tree_budget else trees.chain_trees(lp)
-        tokens, positions, mask, valid = trees.verify_inputs(tree, last, L, S)
-        logits, tcache, taps = target(
-            tokens, L, tcache, positions=positions, tree=mask, taps=drafter.cfg.target_layer_ids
-        )
         # Commit at most up to the cache end (slots L .. L + a must exist) and the budget.
-        limit = jnp.maximum(jnp.minimum(S - 1 - L, max_new - c["n"] - 1), 0)
         active = ~c["done"]
-        limit = jnp.where(active, limit, 0)
+        limit = jnp.where(active, jnp.maximum(jnp.minimum(S - 1 - L, max_new - c["n"] - 1), 0), 0)
         step_key = jax.random.fold_in(key, c["step"] + 1)
-        path, a, bonus = trees.accept_tree(
-            tree, valid, logits, step_key, temperature, top_p, limit, max_depth=k - 1,
-            greedy=greedy,
-        )  # fmt: skip
-        tcache = trees.compact(tcache, path, a)
+        # one build of the menu's largest tree; smaller trees are its first nodes
+        full = trees.build_trees(lp, max(trees_in_menu)) if trees_in_menu else None
+        args = (lp, full, tcache, last, limit, step_key)
+        if len(shapes) == 1:
+            choice = jnp.int32(0)
+            tcache, a, bonus, accepted, feats, size = verify(shapes[0], *args)
+        else:
+            context = jnp.sum(jnp.where(active, L, 0)) / jnp.maximum(jnp.sum(active), 1)
+            choice, _ = choose(shapes, lp, full, active, cost, calibration, context)
+            branches = [functools.partial(verify, shape) for shape in shapes]
+            tcache, a, bonus, accepted, feats, size = jax.lax.switch(choice, branches, *args)
         # Emitted this step: the accepted nodes' tokens, then the bonus; cut after a stop.
         j = jnp.arange(k)
-        accepted = jnp.take_along_axis(tokens, path[:, 1:], axis=1)  # [B, k - 1]
         emitted = jnp.where(
             j[None] < a[:, None], jnp.pad(accepted, ((0, 0), (0, 1))), bonus[:, None]
         )
@@ -138,25 +178,26 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         n = c["n"] + count
         done = c["done"] | (active & (stop_at.any(1) | (n >= max_new)))
         L_new = jnp.where(active, L + a + 1, L)
-        feats = jnp.take_along_axis(_features(taps), path[:, :, None], axis=1)  # [B, k, K*D]
         return {
             "tcache": tcache.with_lengths(L_new),
             "dcache": dcache.with_lengths(L_new),
             "last": jnp.where(active, bonus, last),
-            "pending": feats.astype(c["pending"].dtype),
+            "pending": feats,
             "n_pend": jnp.where(active, a + 1, 0),
             "out": out,
             "n": n,
             "done": done,
             "taus": c["taus"].at[:, c["step"]].set(count),
-            "sizes": c["sizes"].at[:, c["step"]].set(jnp.where(active, valid.sum(1), 0)),
+            "sizes": c["sizes"].at[:, c["step"]].set(jnp.where(active, size, 0)),
+            "choices": c["choices"].at[c["step"]].set(choice),
             "step": c["step"] + 1,
         }
 
     carry = {
         "tcache": tcache, "dcache": dcache, "last": first, "pending": pending, "n_pend": n_pend,
         "out": out, "n": n, "done": done, "taus": taus, "sizes": jnp.zeros_like(taus),
-        "step": jnp.int32(0),
+        "choices": jnp.full((max_steps,), -1, jnp.int32), "step": jnp.int32(0),
     }  # fmt: skip
     c = jax.lax.while_loop(cond, body, carry)
-    return (c["out"], c["n"], c["taus"], c["sizes"], c["step"], c["tcache"], c["dcache"])
+    return (c["out"], c["n"], c["taus"], c["sizes"], c["choices"], c["step"], c["tcache"],
+            c["dcache"])  # fmt: skip

@@ -11,11 +11,32 @@ Static shapes, no host round trip, no heap.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from kdj.cache import KVCache, gather_rows
 from kdj.decode.sampling import target_probs
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftShape:
+    """What one step verifies besides the root: "none" (plain decoding), "chain" (DFlash:
+    the argmax token at depths 1..size) or "tree" (DDTree: the `size` most probable
+    prefixes)."""
+
+    kind: str
+    size: int = 0
+
+    def __post_init__(self):
+        if self.kind not in ("none", "chain", "tree"):
+            raise ValueError(f"unknown draft kind {self.kind!r}")
+        if (self.kind == "none") != (self.size == 0) or self.size < 0:
+            raise ValueError(f"draft {self.kind!r} cannot have size {self.size}")
+
+    def __str__(self):
+        return self.kind if self.kind == "none" else f"{self.kind}{self.size}"
 
 
 def _beams(lp, budget: int):
@@ -44,11 +65,12 @@ def _beams(lp, budget: int):
 def build_tree(lp, budget: int):
     """The top-`budget` prefixes of one sequence's draft distribution.
 
-    lp [L, V] float32 log-probabilities. Returns a dict of [budget] arrays in parent-before-
-    child order (by depth): tokens, depth (1..L), parent (index into these arrays, -1 = the
-    root, i.e. the last committed token), score (log-probability of the prefix), valid
-    (False where fewer than `budget` prefixes exist), and ancestors [budget, budget] bool
-    (ancestors[i, j]: node j is node i or one of its ancestors).
+    lp [L, V] float32 log-probabilities. Returns a dict of [budget] arrays, most probable
+    first (ties: shallower first), so a parent precedes its children: tokens, depth (1..L),
+    parent (index into these arrays, -1 = the root, i.e. the last committed token), score
+    (log-probability of the prefix), valid (False where fewer than `budget` prefixes exist),
+    and ancestors [budget, budget] bool (ancestors[i, j]: node j is node i or one of its
+    ancestors).
     """
     L, _ = lp.shape
     scores, tokens, parents = _beams(lp.astype(jnp.float32), budget)
@@ -56,9 +78,10 @@ def build_tree(lp, budget: int):
     flat_s, flat_d = scores.reshape(-1), depth.reshape(-1)
     # global top-B: highest score first, shallower first on ties (keeps the set prefix-closed)
     order = jnp.lexsort((flat_d, -flat_s))[:budget]
-    # emit in (depth, beam index) order so a parent always precedes its children
-    chosen = jnp.sort(order)
-    d_idx, b_idx = chosen // budget, chosen % budget
+    # Emitted in that same order, so the first b nodes are the top-b tree for every b <= budget
+    # (what the adaptive controller slices) and a parent, never less probable than its child
+    # and shallower on ties, always precedes it.
+    d_idx, b_idx = order // budget, order % budget
     where = jnp.full((L, budget), -1, jnp.int32).at[d_idx, b_idx].set(jnp.arange(budget))
     par_beam = parents[d_idx, b_idx]
     parent = jnp.where(d_idx > 0, where[jnp.maximum(d_idx - 1, 0), par_beam], -1)
@@ -96,6 +119,33 @@ def chain_trees(lp):
         "valid": jnp.ones((B, L), bool),
         "ancestors": jnp.broadcast_to(idx[:, None] >= idx[None, :], (B, L, L)),
     }
+
+
+def top(tree, n: int):
+    """The first n nodes of a build_trees dict: the top-n tree (nodes are in score order)."""
+    return {k: v[:, :n, :n] if k == "ancestors" else v[:, :n] for k, v in tree.items()}
+
+
+def draft_tree(shape: DraftShape, lp, full=None):
+    """The tree a step verifies for `shape`; lp [B, L, V]. `full` (optional) is a
+    build_trees dict of at least shape.size nodes to slice instead of building again."""
+    if shape.kind == "chain":
+        return chain_trees(lp[:, : shape.size])
+    if shape.kind == "tree":
+        return top(full, shape.size) if full is not None else build_trees(lp, shape.size)
+    return top(chain_trees(lp[:, :1]), 0)  # no nodes: the root alone
+
+
+def expected_tokens(shape: DraftShape, tree, lp):
+    """Tokens a step is expected to commit: 1 + the drafter's probability of every node of
+    the tree (DDTree, Proposition 1), the drafts treated as independent per depth. lp [B, L,
+    V] may be recalibrated; tree gives the node set. Returns [B] float32."""
+    if shape.kind == "none":
+        return jnp.ones(lp.shape[:1], jnp.float32)
+    B = lp.shape[0]
+    node_lp = lp[jnp.arange(B)[:, None], tree["depth"] - 1, tree["tokens"]]  # [B, N]
+    score = jnp.einsum("bij,bj->bi", tree["ancestors"].astype(jnp.float32), node_lp)
+    return 1.0 + jnp.sum(jnp.where(tree["valid"], jnp.exp(score), 0.0), axis=1)
 
 
 def verify_inputs(tree, last, start, capacity: int):
@@ -148,13 +198,14 @@ def accept_tree(tree, valid, logits, key, temperature, top_p, limit, *, max_dept
     alive = jnp.ones((B,), bool)
     a = jnp.zeros((B,), jnp.int32)
     path = [cur]
-    for _ in range(max_depth):
+    for _ in range(max_depth if nodes.shape[1] else 0):
         want = jnp.take_along_axis(y, cur[:, None], axis=1)
         match = valid & (parent == cur[:, None]) & (nodes == want) & (alive & (a < limit))[:, None]
         found = match.any(axis=1)
         cur = jnp.where(found, jnp.argmax(match, axis=1).astype(jnp.int32) + 1, cur)
         a, alive = a + found, alive & found
         path.append(cur)
+    path += [cur] * (max_depth + 1 - len(path))  # no nodes: the root alone
     bonus = jnp.take_along_axis(y, cur[:, None], axis=1)[:, 0]
     return jnp.stack(path, axis=1), a, bonus
 
@@ -163,7 +214,7 @@ def compact(cache: KVCache, path, a) -> KVCache:
     """Move the accepted path's cache rows to contiguous slots: the node at verify index
     path[b, j] (slot start + path[b, j]) goes to slot start + j, for j = 1 .. a[b]; start =
     cache.lengths (the root's slot). A path that is already the chain 0, 1, 2, .. (every
-    DFlash step, and DDTree steps that follow the first node of each depth) moves nothing,
+    DFlash step, and DDTree steps whose path runs through nodes 1, 2, 3, ..) moves nothing,
     so the copy is skipped when no sequence of the batch needs it.
     """
     start = cache.lengths

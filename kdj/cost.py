@@ -1,0 +1,133 @@
+"""A step-cost model: predicted seconds of one target step that verifies n tokens.
+
+Speculation pays when the tokens a step is expected to accept outgrow what the bigger verify
+costs. On a dense target a verify of a few tokens costs about one decode step (weights are
+read once); on an MoE target each extra token in flight can touch new experts, so the bytes
+grow with n until every expert is touched, and at high batch the step turns compute-bound.
+The model keeps exactly those terms, from the model config:
+
+    seconds(batch, T, context) = fixed
+        + per_byte * (dense + touched(batch * T) * expert + kv(batch, context + T))
+        + per_flop * flops(batch * T, context)
+    touched(n) = moe_layers * E * (1 - (1 - k / E) ** n)    (expected distinct experts hit)
+
+The three coefficients are fitted to step times measured on the current GPU (`fit`, fed by
+`kdj bench`) and saved as JSON next to the model; `for_config` is a conservative default
+(half of an H200's 4.3 TB/s and 40% of its ~600 TFLOP/s bf16 rate, 0.3 ms fixed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from kdj.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    dense_bytes: float  # weights every step reads (all but the routed experts)
+    expert_bytes: float  # one routed expert of one MoE layer
+    moe_layers: int
+    num_experts: int
+    top_k: int
+    kv_bytes_per_token: float  # cache bytes per token of context, all layers
+    flops_per_token: float  # matmul FLOPs per verified token (k experts each)
+    attn_flops_per_context: float  # attention FLOPs per verified token per context token
+    fixed_s: float = 3e-4
+    per_byte_s: float = 1 / (0.5 * 4.3e12)
+    per_flop_s: float = 1 / (0.4 * 600e12)
+
+    @classmethod
+    def for_config(cls, cfg: ModelConfig, dtype_bytes: int = 2) -> StepCost:
+        """Byte and FLOP terms counted from the config's shapes; default coefficients."""
+        from flax import nnx
+
+        from kdj.models.transformer import abstract_model
+
+        total = expert = 0
+        for path, var in nnx.to_flat_state(nnx.state(abstract_model(cfg), nnx.Param)):
+            n = int(np.prod(var.get_value().shape))
+            total += n
+            if path[-1] in ("w_gate_up", "w_down"):
+                expert += n
+        moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+        E = max(cfg.n_routed_experts, 1)
+        per_expert = expert / max(moe_layers * E, 1)
+        dense = total - expert - cfg.vocab_size * cfg.hidden_size  # embedding: rows only
+        if cfg.tie_word_embeddings:
+            dense += cfg.vocab_size * cfg.hidden_size  # ... but the tied lm_head reads it all
+        if cfg.family == "deepseek":
+            kv = cfg.latent_dim
+            attn = 2 * cfg.num_heads * (cfg.latent_dim + cfg.kv_lora_rank)
+        else:
+            kv = 2 * cfg.num_kv_heads * cfg.head_dim
+            attn = 4 * cfg.num_heads * cfg.head_dim
+        k = cfg.num_experts_per_tok if moe_layers else 0
+        return cls(
+            dense_bytes=float(dense * dtype_bytes),
+            expert_bytes=float(per_expert * dtype_bytes),
+            moe_layers=moe_layers,
+            num_experts=E,
+            top_k=k,
+            kv_bytes_per_token=float(kv * cfg.num_layers * dtype_bytes),
+            flops_per_token=float(2 * (dense + moe_layers * k * per_expert)),
+            attn_flops_per_context=float(attn * cfg.num_layers),
+        )
+
+    # ------------------------------------------------------------------ prediction
+    def terms(self, batch, tokens_per_seq, context):
+        """(bytes, flops) of one step; works on numpy and jax values alike."""
+        n = batch * tokens_per_seq
+        xp = jnp if isinstance(n, jnp.ndarray) else np
+        touched = 0.0
+        if self.moe_layers:
+            E = self.num_experts
+            touched = self.moe_layers * E * (1 - (1 - self.top_k / E) ** xp.asarray(n, float))
+        bytes_ = self.dense_bytes + touched * self.expert_bytes
+        bytes_ = bytes_ + batch * (context + tokens_per_seq) * self.kv_bytes_per_token
+        flops = n * (
+            self.flops_per_token + (context + tokens_per_seq) * self.attn_flops_per_context
+        )
+        return bytes_, flops
+
+    def seconds(self, batch, tokens_per_seq, context):
+        """Predicted step time: batch sequences, tokens_per_seq verified each, at context."""
+        b, f = self.terms(batch, tokens_per_seq, context)
+        return self.fixed_s + b * self.per_byte_s + f * self.per_flop_s
+
+    # ------------------------------------------------------------------ fitting and files
+    def fit(self, rows) -> StepCost:
+        """Least-squares coefficients (fixed, per byte, per FLOP; all >= 0) from measured
+        rows of (batch, tokens_per_seq, context, seconds). Relative error is minimised, so
+        a 1 ms decode step counts as much as a 100 ms batch-256 verify."""
+        rows = np.asarray(rows, float)
+        b, f = self.terms(rows[:, 0], rows[:, 1], rows[:, 2])
+        X = np.stack([np.ones_like(b), b, f], axis=1) / rows[:, 3:4]
+        y = np.ones(len(rows))
+        keep = [0, 1, 2]
+        while True:  # drop coefficients that come out negative, refit (tiny active-set NNLS)
+            coef = np.zeros(3)
+            coef[keep] = np.linalg.lstsq(X[:, keep], y, rcond=None)[0]
+            if (coef >= 0).all():
+                break
+            keep = [i for i in keep if coef[i] > 0]
+        return dataclasses.replace(self, fixed_s=coef[0], per_byte_s=coef[1], per_flop_s=coef[2])
+
+    def save(self, path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(dataclasses.asdict(self), indent=2))
+        return path
+
+    @classmethod
+    def load(cls, path) -> StepCost:
+        data = json.loads(Path(path).read_text())
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ValueError(f"{path}: unknown step-cost fields {sorted(unknown)}")
+        return cls(**data)

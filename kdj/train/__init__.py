@@ -1,0 +1,6 @@
+"""DFlash drafter training: data (ShareGPT prompts, target-regenerated responses), the
+many-blocks training forward, the training loop, and acceptance evaluation.
+
+    kdj train-drafter --config configs/train/smollm2-b16.yaml
+    kdj eval-acceptance --target smollm2-135m-instruct --drafter out/.../drafter
+"""

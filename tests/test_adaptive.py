@@ -1,0 +1,171 @@
+"""Adaptive speculation (method="auto"): the expected-acceptance formula, the step-cost model,
+the controller's choices, and losslessness while the controller switches draft shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kdj
+from kdj.config import ModelConfig, load_yaml
+from kdj.cost import StepCost
+from kdj.decode import speculative
+from kdj.decode import tree as trees
+from kdj.decode.tree import DraftShape
+from tests.hf_models import build
+from tests.test_speculative import VOCAB, exact_joint, make_drafter, prompts_for
+
+MENU = ["none", "chain2", "chain", "tree3", "tree12"]
+
+
+# ------------------------------------------------------------------ expected acceptance
+def test_expected_tokens_is_one_plus_the_tree_probability_mass():
+    lp = jax.nn.log_softmax(jax.random.normal(jax.random.key(0), (1, 3, 4)) * 2, axis=-1)
+    p = np.exp(np.asarray(lp[0], np.float64))
+    for shape in (DraftShape("tree", 7), DraftShape("chain", 3), DraftShape("none")):
+        tree = trees.draft_tree(shape, lp, trees.build_trees(lp, 20))
+        got = float(trees.expected_tokens(shape, tree, lp)[0])
+        # brute force: every node's prefix probability under the factorised drafter
+        want = 1.0
+        toks, depth, parent = (np.asarray(tree[k][0]) for k in ("tokens", "depth", "parent"))
+        for i in range(toks.shape[0]):
+            prob, j = 1.0, i
+            while j >= 0:
+                prob *= p[depth[j] - 1, toks[j]]
+                j = parent[j]
+            want += prob
+        assert got == pytest.approx(want, rel=1e-5), shape
+
+
+def test_top_of_the_largest_tree_is_the_smaller_tree():
+    lp = jax.nn.log_softmax(jax.random.normal(jax.random.key(2), (2, 4, 6)), axis=-1)
+    full = trees.build_trees(lp, 30)
+    for b in (1, 5, 17):
+        small = trees.build_trees(lp, b)
+        np.testing.assert_allclose(trees.top(full, b)["score"], small["score"], atol=1e-6)
+
+
+# ------------------------------------------------------------------ the step-cost model
+def moonlight() -> ModelConfig:
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "configs" / "models" / "moonlight-16b-a3b.yaml"
+    return ModelConfig.from_hf(load_yaml(path))
+
+
+def test_cost_terms_count_touched_experts():
+    cost = StepCost.for_config(moonlight())
+    assert cost.moe_layers == 26 and cost.num_experts == 64 and cost.top_k == 6
+    b1, _ = cost.terms(1, 1, 0)
+    b16, _ = cost.terms(1, 16, 0)
+    b_all, _ = cost.terms(256, 16, 0)
+    # one token touches k experts per layer; 4096 tokens touch all 64
+    kv = cost.kv_bytes_per_token  # the new tokens' K/V are written
+    assert b1 - cost.dense_bytes - kv == pytest.approx(26 * 6 * cost.expert_bytes, rel=1e-3)
+    b_all -= cost.dense_bytes + 4096 * kv
+    assert b_all == pytest.approx(26 * 64 * cost.expert_bytes, rel=1e-3)
+    assert b1 < b16 < b_all
+
+
+def test_fit_recovers_known_coefficients(tmp_path):
+    truth = dataclasses.replace(
+        StepCost.for_config(moonlight()), fixed_s=2e-4, per_byte_s=1 / 3e12, per_flop_s=1 / 4e14
+    )
+    grid = itertools.product((1, 4, 16, 64, 256), (1, 8, 16), (256, 4096))
+    rows = [(b, t, c, float(truth.seconds(b, t, c))) for b, t, c in grid]
+    fitted = StepCost.for_config(moonlight()).fit(rows)
+    for name in ("fixed_s", "per_byte_s", "per_flop_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
+    assert StepCost.load(fitted.save(tmp_path / "cost.json")) == fitted
+    (tmp_path / "bad.json").write_text('{"fixed": 1}')
+    with pytest.raises(ValueError, match="unknown step-cost fields"):
+        StepCost.load(tmp_path / "bad.json")
+
+
+def test_controller_prefers_plain_decoding_when_verify_tokens_are_dear():
+    lp = jax.nn.log_softmax(jax.random.normal(jax.random.key(3), (2, 4, 6)) * 3, axis=-1)
+    shapes = tuple(DraftShape(*s) for s in (("none",), ("chain", 4), ("tree", 12)))
+    full = trees.build_trees(lp, 12)
+    active = jnp.ones((2,), bool)
+    base = StepCost.for_config(moonlight())
+    dear = dataclasses.replace(base, fixed_s=0.0, per_byte_s=0.0, per_flop_s=1.0)
+    free = dataclasses.replace(base, fixed_s=1.0, per_byte_s=0.0, per_flop_s=0.0)
+    i, _ = speculative.choose(shapes, lp, full, active, dear, 1.0, 100.0)
+    assert shapes[int(i)].kind == "none"
+    i, gains = speculative.choose(shapes, lp, full, active, free, 1.0, 100.0)
+    assert shapes[int(i)] == DraftShape("tree", 12)  # same cost: the most expected tokens
+    assert float(gains[2]) >= float(gains[1]) >= float(gains[0]) == 2.0
+
+
+# ------------------------------------------------------------------ lossless while switching
+def scrambled_choice(shapes, lp, full, active, cost, calibration, context):
+    """Test double for the controller: a pseudo-random menu entry per step (from the draft
+    and the context length), so one run visits many branches of the switch."""
+    mix = jnp.abs(lp[0, 0, :3].sum()) * 1e4 + context * 7.3
+    i = mix.astype(jnp.int32) % len(shapes)
+    return i, jnp.zeros((len(shapes),))
+
+
+@pytest.fixture
+def switching(monkeypatch):
+    monkeypatch.setattr(speculative, "choose", scrambled_choice)
+    kdj.api._EXECUTABLES.clear()
+    jax.clear_caches()
+    yield
+    kdj.api._EXECUTABLES.clear()
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_greedy_auto_equals_ar_while_switching_every_branch(family, switching, tmp_path):
+    build(family, tmp_path, vocab_size=VOCAB, num_hidden_layers=3)
+    target = kdj.load_target(tmp_path, dtype="float32")
+    drafter = make_drafter(target, block=5)
+    prompts = prompts_for(target)
+    kw = dict(max_new_tokens=40, stop_tokens=[])
+    ar = kdj.generate(target, prompts, method="ar", **kw)
+    au = kdj.generate(target, prompts, drafter=drafter, method="auto", menu=MENU, **kw)
+    assert au.tokens == ar.tokens
+    assert set(au.stats["draft_choices"]) == set(MENU[:2] + ["chain4"] + MENU[3:])
+    assert max(max(t) for t in au.stats["acceptance_lengths"]) > 1
+
+
+def test_sampled_auto_is_lossless_while_switching(switching, tmp_path):
+    from tests.test_speculative import chi_square_p_ok
+
+    build("qwen3", tmp_path, vocab_size=6, num_hidden_layers=2)
+    target = kdj.load_target(tmp_path, dtype="float32")
+    drafter = make_drafter(target, layers=1, block=4, seed=3)
+    prompt = [1, 2, 3, 4]
+    out = kdj.generate(target, [prompt] * 6000, drafter=drafter, method="auto", menu=MENU[:4],
+                       max_new_tokens=3, temperature=0.9, stop_tokens=[])  # fmt: skip
+    t = np.array(out.tokens)
+    V = target.cfg.vocab_size
+    assert chi_square_p_ok(
+        (t[:, 0] * V + t[:, 1]) * V + t[:, 2], exact_joint(target, prompt, 3, 0.9)
+    )
+    assert len(set(out.stats["draft_choices"])) > 1
+
+
+def test_auto_default_menu_and_bad_menus(tmp_path):
+    build("llama", tmp_path, vocab_size=VOCAB, num_hidden_layers=2)
+    target = kdj.load_target(tmp_path, dtype="float32")
+    drafter = make_drafter(target, layers=1, block=4, ids=(1,))
+    prompts = prompts_for(target, (4, 9))
+    ar = kdj.generate(target, prompts, method="ar", max_new_tokens=12, stop_tokens=[])
+    au = kdj.generate(target, prompts, drafter=drafter, max_new_tokens=12, stop_tokens=[])
+    assert au.stats["method"] == "auto" and au.tokens == ar.tokens
+    assert au.stats["menu"] == ["none", "chain3", "tree16", "tree64", "tree256"]
+    for menu, msg in ((["tree0"], "bad menu entry"), (["chain9"], "a chain holds 1..3"),
+                      (["none", "none"], "distinct"), (["fork2"], "bad menu entry")):  # fmt: skip
+        with pytest.raises(ValueError, match=msg):
+            kdj.generate(target, prompts, drafter=drafter, menu=menu)
+    with pytest.raises(ValueError, match="calibration must be a positive"):
+        kdj.generate(target, prompts, drafter=drafter, calibration=0.0)
+    with pytest.raises(ValueError, match="menu applies to method 'auto'"):
+        kdj.generate(target, prompts, drafter=drafter, method="dflash", menu=["none"])
