@@ -308,6 +308,24 @@ def plot(result: dict, path: Path) -> bool:
 
 
 # ------------------------------------------------------------------------------ main
+def fit_cost(cfg, rows, args, name, fmt) -> None:
+    """Fit kdj.cost.StepCost (fixed, per byte, per FLOP) to this model's measured steps and
+    save it where method="auto" can load it (generate(..., cost=path))."""
+    from kdj.cost import StepCost
+
+    measured = [(r["batch"], r["tokens_per_seq"], r["context"], r["step_ms"] / 1e3) for r in rows]
+    cost = StepCost.for_config(cfg).fit(measured)
+    path = Path(args.fit_cost)
+    if len(args.models) > 1 or len(args.experts) > 1:
+        path = path.with_name(f"{path.stem}_{Path(name).stem}_{fmt}{path.suffix}")
+    cost.save(path)
+    worst = max(abs(cost.seconds(b, t, c) / s - 1) for b, t, c, s in measured)
+    print(f"step cost fitted to {len(measured)} steps (worst relative error {worst:.0%}): "
+          f"fixed {cost.fixed_s * 1e3:.3f} ms, {1e-12 / cost.per_byte_s:.2f} TB/s, "
+          f"{1e-12 / cost.per_flop_s if cost.per_flop_s else float('inf'):.0f} TFLOP/s "
+          f"-> {path}")  # fmt: skip
+
+
 def run(args) -> dict:
     dev = jax.devices()[0]
     dtype = jnp.dtype(args.dtype)
@@ -345,6 +363,9 @@ def run(args) -> dict:
                         f"  {100 * row['frac_hbm']:5.1f}% of 4.3 TB/s"
                         f"  {100 * row['frac_matmul']:5.1f}% of matmul", flush=True,
                     )  # fmt: skip
+            if args.fit_cost:
+                fit_cost(cfg, [r for r in result["rows"] if r["model"] == tag["model"]
+                               and r["experts"] == fmt], args, name, fmt)  # fmt: skip
             if cfg.n_routed_experts:
                 for B, T in args.moe_shapes:
                     row = {**tag, **time_moe(model, cfg, B, T, args.repeats, mm)}
@@ -402,6 +423,10 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--matmul-size", type=int, default=8192)
     p.add_argument("--out", help="JSON path; .md and .png are written beside it")
+    p.add_argument(
+        "--fit-cost",
+        help="also fit a kdj.cost.StepCost to the measured steps and save it here (JSON)",
+    )
     args = p.parse_args(argv)
     if len(args.experts) > 2 or len(args.experts) == 2 and args.experts[0] != "bf16":
         p.error("--experts: one format, or bf16 then one quantised format made from its weights")

@@ -139,6 +139,9 @@ class Drafter:
         return nnx.merge(self.graphdef, self.state)
 
     sharding: Sharding | None = None
+    # forecast temperature for method="auto" (kdj.train.calibrate; calibration.json beside
+    # the checkpoint), 1.0 = trust the drafter's probabilities as they are
+    calibration: float = 1.0
 
     @staticmethod
     def from_model(model, name="", mesh=None) -> Drafter:
@@ -160,6 +163,7 @@ def load_drafter(source, target: Target | None = None, dtype=None, mesh=None) ->
     BUILTIN_DRAFTERS). With `target`, check the pair fits (hidden size, vocabulary, feature
     layers) and use the target's dtype."""
     from kdj.checkpoints.dflash import load_drafter_checkpoint
+    from kdj.train.calibrate import load_temperature
 
     dtype = jnp.dtype(dtype or (target.dtype if target is not None else "bfloat16"))
     path = Path(source)
@@ -173,6 +177,7 @@ def load_drafter(source, target: Target | None = None, dtype=None, mesh=None) ->
     if mesh is None and target is not None:
         mesh = target.sharding  # the drafter lives on its target's mesh
     drafter = Drafter.from_model(load_drafter_checkpoint(path, dtype), path.name, mesh)
+    drafter.calibration = load_temperature(path)
     if target is not None:
         _check_pair(target, drafter, None)
     return drafter
@@ -294,7 +299,7 @@ def generate(
     cache_size: int | None = None,
     menu=None,
     cost=None,
-    calibration: float = 1.0,
+    calibration: float | None = None,
 ) -> GenerateOutput:
     """Generate for a batch of prompts (strings or token-id lists of any lengths).
 
@@ -303,7 +308,8 @@ def generate(
     `menu` (default DEFAULT_MENU: "none", "chain", "chainN", "treeN") what maximises expected
     tokens per second, from the drafter's confidence (temperature-scaled by `calibration`)
     and `cost` (a kdj.cost.StepCost or its JSON path, as `kdj bench` fits it; default: a
-    conservative estimate from the target's shapes). max_new_tokens
+    conservative estimate from the target's shapes). calibration defaults to the drafter's
+    fitted forecast temperature (kdj.train.calibrate). max_new_tokens
     may be one int or one per prompt; stop_tokens one list or one list per prompt (default:
     the tokenizer's end-of-turn ids, else the config's eos). cache_size fixes the KV-cache
     capacity (default: the longest prompt + max_new_tokens, rounded up).
@@ -326,6 +332,7 @@ def generate(
     if menu is not None and method != "auto":
         raise ValueError(f"menu applies to method 'auto' with a drafter, not {method!r}")
     if speculative_:
+        calibration = drafter.calibration if calibration is None else calibration
         shapes = _menu(method, menu, block_size, tree_budget)
         if len(shapes) > 1:
             cost = _step_cost(target.cfg) if cost is None else cost
@@ -338,7 +345,10 @@ def generate(
         raise ValueError("the target lives on another mesh: load it with load_target(mesh=...)")
     sharding = target.sharding
     if speculative_ and sharding is not None and drafter.sharding != sharding:
-        drafter = Drafter.from_model(drafter.model, drafter.name, sharding)
+        drafter = dataclasses.replace(
+            Drafter.from_model(drafter.model, drafter.name, sharding),
+            calibration=drafter.calibration,
+        )
     tokenizer = tokenizer or target.tokenizer
     ids = _as_token_lists(target, prompts, tokenizer)
     B = len(ids)
@@ -411,6 +421,15 @@ def generate(
     }
     if speculative_:
         stats["block_size"] = block_size
+        # the drafter's own forecast of each step's tau (DDTree Proposition 1), beside the
+        # realised tau: their gap is the calibration error (last steps cut by a stop or
+        # max_new_tokens realise less than forecast)
+        exp = [[float(e) for e, t in zip(er, tr) if t > 0]
+               for er, tr in zip(res["expected"][:B], res["taus"][:B])]  # fmt: skip
+        pairs = [(e, t) for er, tr in zip(exp, taus) for e, t in zip(er, tr)]
+        stats["expected_acceptance"] = exp
+        stats["mean_expected_acceptance"] = float(np.mean([e for e, _ in pairs] or np.nan))
+        stats["calibration_error"] = float(np.mean([abs(e - t) for e, t in pairs] or np.nan))
     if method == "auto":
         picked = [str(shapes[i]) for i in res["choices"][: res["steps"]]]
         stats["menu"] = [str(s) for s in shapes]
@@ -503,12 +522,13 @@ def _run_speculative(drafter, block_size, shapes, cost, calibration, target, tok
                     stop, key, temp, topp, cal, greedy=greedy, max_steps=int(max_new.max()),
                     block_size=block_size, shapes=shapes, cost=cost)  # fmt: skip
     compile_s = time.perf_counter() - t0
-    (out, n_out, taus, sizes, choices, steps, _, _), pre_s, dec_s = _timed(
+    (out, n_out, taus, sizes, choices, expected, steps, _, _), pre_s, dec_s = _timed(
         lambda: pre(ts, ds, tokens, lens, tcache, dcache, key, temp, topp),
         lambda r: dec(ts, ds, r[1], r[2], r[0], max_new, stop, key, temp, topp, cal),
     )
     return dict(out=out, n_out=n_out, steps=int(steps), taus=taus, sizes=sizes, choices=choices,
-                compile_s=compile_s, prefill_s=pre_s, decode_s=dec_s)  # fmt: skip
+                expected=expected, compile_s=compile_s, prefill_s=pre_s,
+                decode_s=dec_s)  # fmt: skip
 
 
 def forward(target: Target, token_ids) -> np.ndarray:

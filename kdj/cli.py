@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 DEFAULTS = {
     "target": "smollm2-135m-instruct",
@@ -157,6 +158,29 @@ def cmd_eval_acceptance(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    import kdj
+    from kdj.train import calibrate
+    from kdj.train.data import sharegpt_split
+    from kdj.train.loop import chat_prompts
+
+    target = kdj.load_target(args.target, dtype=_dtype(args.dtype))
+    drafter = kdj.load_drafter(args.drafter, target=target)
+    held_out = [m for _, m in sharegpt_split()[1]]  # conversations >= 16,000 only
+    prompts = chat_prompts(target.tokenizer, held_out[: args.num_prompts], 512)
+    report = calibrate.calibrate(
+        target, drafter, prompts, method=args.method, tree_budget=args.tree_budget,
+        temperatures=args.temperatures, max_new_tokens=args.max_new_tokens,
+    )  # fmt: skip
+    print(json.dumps({k: v for k, v in report.items() if k != "candidates"}, indent=2))
+    if args.save:
+        path = Path(args.drafter)
+        if not path.exists():  # a built-in name
+            path = kdj.api.ASSETS / args.drafter
+        print(f"wrote {calibrate.save(report, path)}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="kdj", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -204,6 +228,17 @@ def main(argv=None) -> int:
     e.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     e.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     e.set_defaults(fn=cmd_eval_acceptance)
+    k = sub.add_parser("calibrate", help="fit the drafter's forecast temperature (method=auto)")
+    k.add_argument("--drafter", required=True, help="DFlash drafter dir or built-in name")
+    k.add_argument("--target", default="smollm2-135m-instruct")
+    k.add_argument("--dtype", default="auto")
+    k.add_argument("--method", choices=["dflash", "ddtree"], default="ddtree")
+    k.add_argument("--tree-budget", type=int, default=16)
+    k.add_argument("--temperatures", type=float, nargs="+", default=[0.5, 0.7, 1.0, 1.5, 2.0])
+    k.add_argument("--num-prompts", type=int, default=8, help="held-out ShareGPT prompts")
+    k.add_argument("--max-new-tokens", type=int, default=64)
+    k.add_argument("--save", action="store_true", help="write calibration.json beside it")
+    k.set_defaults(fn=cmd_calibrate)
     args = p.parse_args(argv)
     return args.fn(args)
 

@@ -95,20 +95,23 @@ def test_controller_prefers_plain_decoding_when_verify_tokens_are_dear():
     base = StepCost.for_config(moonlight())
     dear = dataclasses.replace(base, fixed_s=0.0, per_byte_s=0.0, per_flop_s=1.0)
     free = dataclasses.replace(base, fixed_s=1.0, per_byte_s=0.0, per_flop_s=0.0)
-    i, _ = speculative.choose(shapes, lp, full, active, dear, 1.0, 100.0)
-    assert shapes[int(i)].kind == "none"
-    i, gains = speculative.choose(shapes, lp, full, active, free, 1.0, 100.0)
+    gains = speculative.expected(shapes, lp, full, 1.0)  # [S, B]
+    assert shapes[int(speculative.choose(shapes, gains, active, dear, 100.0))].kind == "none"
+    i = speculative.choose(shapes, gains, active, free, 100.0)
     assert shapes[int(i)] == DraftShape("tree", 12)  # same cost: the most expected tokens
-    assert float(gains[2]) >= float(gains[1]) >= float(gains[0]) == 2.0
+    total = gains.sum(axis=1)
+    assert float(total[2]) >= float(total[1]) >= float(total[0]) == 2.0
+    # a hotter calibration spreads the drafter's mass: it forecasts fewer accepted tokens
+    hot = speculative.expected(shapes, lp, full, 2.0)
+    assert float(hot[2].sum()) < float(total[2])
 
 
 # ------------------------------------------------------------------ lossless while switching
-def scrambled_choice(shapes, lp, full, active, cost, calibration, context):
-    """Test double for the controller: a pseudo-random menu entry per step (from the draft
-    and the context length), so one run visits many branches of the switch."""
-    mix = jnp.abs(lp[0, 0, :3].sum()) * 1e4 + context * 7.3
-    i = mix.astype(jnp.int32) % len(shapes)
-    return i, jnp.zeros((len(shapes),))
+def scrambled_choice(shapes, gains, active, cost, context):
+    """Test double for the controller: a pseudo-random menu entry per step (from the drafter's
+    forecasts and the context length), so one run visits many branches of the switch."""
+    mix = jnp.abs(gains.sum()) * 1e4 + context * 7.3
+    return mix.astype(jnp.int32) % len(shapes)
 
 
 @pytest.fixture
@@ -169,3 +172,27 @@ def test_auto_default_menu_and_bad_menus(tmp_path):
         kdj.generate(target, prompts, drafter=drafter, calibration=0.0)
     with pytest.raises(ValueError, match="menu applies to method 'auto'"):
         kdj.generate(target, prompts, drafter=drafter, method="dflash", menu=["none"])
+
+
+def test_calibration_changes_only_the_forecast_and_is_saved_with_the_drafter(tmp_path):
+    from kdj.train import calibrate
+
+    build("qwen3", tmp_path / "t", vocab_size=VOCAB, num_hidden_layers=3)
+    target = kdj.load_target(tmp_path / "t", dtype="float32")
+    make_drafter(target, block=5).save(tmp_path / "d")
+    drafter = kdj.load_drafter(tmp_path / "d", target=target)
+    assert drafter.calibration == 1.0  # no calibration.json yet
+    prompts = prompts_for(target)
+    kw = dict(tree_budget=6, temperatures=(0.5, 1.0, 3.0), max_new_tokens=24, log=lambda s: 0)
+    report = calibrate.calibrate(target, drafter, prompts, **kw)
+    rows = report["candidates"]
+    assert len({r["mean_realised"] for r in rows}) == 1  # same drafts, same acceptance
+    forecasts = [r["mean_forecast"] for r in rows]
+    assert forecasts[0] > forecasts[1] > forecasts[2]  # hotter: less confident
+    assert abs(report["bias_after"]) <= abs(report["bias_before"])
+    calibrate.save(report, tmp_path / "d")
+    again = kdj.load_drafter(tmp_path / "d", target=target)
+    assert again.calibration == report["temperature"]
+    out = kdj.generate(target, prompts, drafter=again, method="ddtree", tree_budget=6,
+                       max_new_tokens=8, stop_tokens=[])  # fmt: skip
+    assert out.stats["calibration_error"] >= 0

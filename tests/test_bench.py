@@ -35,7 +35,8 @@ def test_roofline_smoke(tmp_path):
     out = tmp_path / "roofline.json"
     args = ["--models", str(cfg), "--experts", "bf16", "int4", "--batches", "1", "4",
             "--tokens", "1", "--moe-shapes", "1x4", "--context", "8", "--repeats", "1",
-            "--matmul-size", "64", "--out", str(out)]  # fmt: skip
+            "--matmul-size", "64", "--out", str(out),
+            "--fit-cost", str(tmp_path / "cost.json")]  # fmt: skip
     assert main(["bench", *args]) == 0
     result = json.loads(out.read_text())
     rows = result["rows"]
@@ -54,3 +55,10 @@ def test_roofline_smoke(tmp_path):
     assert int4["bytes"]["experts_touched"] < bf16["bytes"]["experts_touched"] / 3
     assert len(result["moe_rows"]) == 2
     assert "| % of 4.3 TB/s |" in out.with_suffix(".md").read_text()
+    # a step-cost model per expert format, loadable by generate(method="auto", cost=...)
+    from kdj.cost import StepCost
+
+    for fmt in ("bf16", "int4"):
+        cost = StepCost.load(tmp_path / f"cost_tiny-moe_{fmt}.json")
+        assert cost.moe_layers == 1 and cost.num_experts == 16
+        assert min(cost.fixed_s, cost.per_byte_s, cost.per_flop_s) >= 0

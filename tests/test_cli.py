@@ -41,27 +41,20 @@ def test_convert_roundtrip(tmp_path, capsys):
         main(["convert", str(src), str(tmp_path / "orbax")])
 
 
-def test_generate_with_a_drafter_prints_acceptance(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "flags, expect",
+    [
+        (["--method", "dflash", "--block-size", "3"], "dflash:"),
+        (["--method", "ddtree", "--tree-budget", "8"], "tree budget 8, mean tree size 8.0"),
+    ],
+)
+def test_generate_with_a_drafter_prints_acceptance(tmp_path, capsys, flags, expect):
     from tests.test_speculative import make_drafter
 
     target = kdj.load_target("smollm2-135m-instruct", dtype="float32")
     make_drafter(target, layers=1, block=4, ids=(3, 20), mask=0).save(tmp_path / "d")
-    argv = ["generate", "--drafter", str(tmp_path / "d"), "--method", "dflash",
-            "--max-new-tokens", "16", "--block-size", "3"]  # fmt: skip
+    argv = ["generate", "--drafter", str(tmp_path / "d"), "--max-new-tokens", "16", *flags]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "The capital of Australia is Canberra." in out
-    assert "dflash:" in out and "histogram" in out
-
-
-def test_generate_ddtree_prints_tree_stats(tmp_path, capsys):
-    from tests.test_speculative import make_drafter
-
-    target = kdj.load_target("smollm2-135m-instruct", dtype="float32")
-    make_drafter(target, layers=1, block=4, ids=(3, 20), mask=0).save(tmp_path / "d")
-    argv = ["generate", "--drafter", str(tmp_path / "d"), "--method", "ddtree",
-            "--max-new-tokens", "16", "--tree-budget", "8"]  # fmt: skip
-    assert main(argv) == 0
-    out = capsys.readouterr().out
-    assert "The capital of Australia is Canberra." in out
-    assert "ddtree:" in out and "tree budget 8, mean tree size 8.0" in out
+    assert "histogram" in out and expect in out

@@ -311,16 +311,8 @@ def test_regeneration_cache_roundtrip(target, tmp_path):
     from kdj.train.data import regenerate
 
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 20]
-    regenerate(
-        target,
-        prompts,
-        [7, 8, 9],
-        tmp_path,
-        max_new_tokens=6,
-        temperature=0.0,
-        batch_size=2,
-        max_prompt_tokens=32,
-    )
+    kw = dict(max_new_tokens=6, temperature=0.0, batch_size=2, max_prompt_tokens=32)
+    regenerate(target, prompts, [7, 8, 9], tmp_path, **kw)
     tokens, mask, conv = load_cache(tmp_path, 40)
     ar = kdj.generate(target, prompts, method="ar", max_new_tokens=6)
     order = np.argsort([len(p) for p in prompts], kind="stable")
@@ -330,14 +322,5 @@ def test_regeneration_cache_roundtrip(target, tmp_path):
         np.testing.assert_array_equal(tokens[row, : len(seq)], seq)
         assert mask[row].sum() == len(ar.tokens[i]) and mask[row, len(prompts[i])]
     n_files = len(list(tmp_path.glob("shard_*")))
-    regenerate(
-        target,
-        prompts,
-        [7, 8, 9],
-        tmp_path,
-        max_new_tokens=6,
-        temperature=0.0,
-        batch_size=2,
-        max_prompt_tokens=32,
-    )  # resumes: nothing to do
+    regenerate(target, prompts, [7, 8, 9], tmp_path, **kw)  # resumes: nothing to do
     assert len(list(tmp_path.glob("shard_*"))) == n_files == 2

@@ -9,7 +9,9 @@ sits at slot L:
     draft   drafter context += pending target features (positions L - n_pend .. L - 1);
             block [last, MASK x (k - 1)] at L .. L + k - 1 -> per-depth log-probs lp[1..k-1]
     tree    DFlash: the argmax chain (k - 1 nodes); DDTree: the top-B prefixes of lp
-            (kdj/decode/tree.py), B = tree_budget
+            (kdj/decode/tree.py), B = tree_budget; method "auto": `choose` picks one shape
+            of a static menu (plain, chains, trees) per step from the drafter's expected
+            acceptance and a step-cost model, and `lax.switch` runs it
     verify  target over [last, nodes] at slots L .., positions L + depth, each node seeing the
             past and its ancestors; taps features
     accept  walk from the root along children equal to the target's token (greedy or
@@ -73,24 +75,27 @@ def draft(target, drafter, dcache: KVCache, last, pending, n_pend, k: int):
     return jax.nn.log_softmax(target.logits(h[:, 1:]), axis=-1), dcache
 
 
-def choose(shapes, lp, full, active, cost, calibration, context):
-    """The adaptive controller: index into `shapes` maximising expected committed tokens per
-    predicted second for the whole batch (all rows run the same shapes, finished ones too).
-
-    lp [B, L, V] draft log-probs, recalibrated by temperature `calibration` (fitted on
-    held-out data; 1.0 = as the drafter says); full: the largest tree of the menu; cost: a
-    kdj.cost.StepCost; context: mean committed length. Returns (index, expected [S] tokens).
-    """
+def expected(shapes, lp, full, calibration):
+    """Expected committed tokens [S, B] of every menu shape for every sequence, from the draft
+    log-probs lp [B, L, V] recalibrated by temperature `calibration` (fitted on held-out data
+    by kdj.train.evaluate.calibrate; 1.0 = as the drafter says). full: the menu's largest tree
+    (or None)."""
     lp_cal = jax.nn.log_softmax(lp * (1.0 / calibration), axis=-1)
-    B = lp.shape[0]
-    gains, seconds = [], []
-    for shape in shapes:
-        tree = trees.draft_tree(shape, lp, full)
-        gains.append(jnp.sum(jnp.where(active, trees.expected_tokens(shape, tree, lp_cal), 0.0)))
-        nodes = 0 if shape.kind == "none" else shape.size
-        seconds.append(cost.seconds(B, 1 + nodes, context))
-    gains = jnp.stack(gains)
-    return jnp.argmax(gains / jnp.stack(seconds).astype(jnp.float32)), gains
+    rows = [trees.expected_tokens(s, trees.draft_tree(s, lp, full), lp_cal) for s in shapes]
+    return jnp.stack(rows)
+
+
+def choose(shapes, gains, active, cost, context):
+    """The adaptive controller: index into `shapes` maximising expected committed tokens per
+    predicted second for the whole batch (all rows run the same shape, finished ones too).
+
+    gains [S, B] from `expected`; active [B]; cost: a kdj.cost.StepCost; context: mean
+    committed length of the active sequences."""
+    B = gains.shape[1]
+    total = jnp.sum(jnp.where(active[None], gains, 0.0), axis=1)
+    nodes = [0 if s.kind == "none" else s.size for s in shapes]
+    seconds = jnp.stack([cost.seconds(B, 1 + n, context) for n in nodes]).astype(jnp.float32)
+    return jnp.argmax(total / seconds)
 
 
 @functools.partial(
@@ -108,7 +113,8 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
     needs `cost`) picks one per step and `lax.switch` runs it. max_steps = max(max_new).
     Returns (out [B, max_steps] int32, n_out [B], taus [B, max_steps] (tokens committed per
     step, 0 once finished), sizes [B, max_steps] (draft nodes verified per step), choices
-    [max_steps] (index into shapes per step), steps, tcache, dcache).
+    [max_steps] (index into shapes per step), expected [B, max_steps] (tokens the drafter
+    expected each step to commit), steps, tcache, dcache).
     """
     target, drafter = nnx.merge(tgraph, tstate), nnx.merge(dgraph, dstate)
     k = block_size
@@ -155,12 +161,13 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         # one build of the menu's largest tree; smaller trees are its first nodes
         full = trees.build_trees(lp, max(trees_in_menu)) if trees_in_menu else None
         args = (lp, full, tcache, last, limit, step_key)
+        gains = expected(shapes, lp, full, calibration)  # [S, B]
         if len(shapes) == 1:
             choice = jnp.int32(0)
             tcache, a, bonus, accepted, feats, size = verify(shapes[0], *args)
         else:
             context = jnp.sum(jnp.where(active, L, 0)) / jnp.maximum(jnp.sum(active), 1)
-            choice, _ = choose(shapes, lp, full, active, cost, calibration, context)
+            choice = choose(shapes, gains, active, cost, context)
             branches = [functools.partial(verify, shape) for shape in shapes]
             tcache, a, bonus, accepted, feats, size = jax.lax.switch(choice, branches, *args)
         # Emitted this step: the accepted nodes' tokens, then the bonus; cut after a stop.
@@ -190,14 +197,17 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
             "taus": c["taus"].at[:, c["step"]].set(count),
             "sizes": c["sizes"].at[:, c["step"]].set(jnp.where(active, size, 0)),
             "choices": c["choices"].at[c["step"]].set(choice),
+            # what the drafter expected this step to commit (before stop/limit cuts)
+            "expected": c["expected"].at[:, c["step"]].set(jnp.where(active, gains[choice], 0)),
             "step": c["step"] + 1,
         }
 
     carry = {
         "tcache": tcache, "dcache": dcache, "last": first, "pending": pending, "n_pend": n_pend,
         "out": out, "n": n, "done": done, "taus": taus, "sizes": jnp.zeros_like(taus),
-        "choices": jnp.full((max_steps,), -1, jnp.int32), "step": jnp.int32(0),
+        "choices": jnp.full((max_steps,), -1, jnp.int32),
+        "expected": jnp.zeros((B, max_steps), jnp.float32), "step": jnp.int32(0),
     }  # fmt: skip
     c = jax.lax.while_loop(cond, body, carry)
-    return (c["out"], c["n"], c["taus"], c["sizes"], c["choices"], c["step"], c["tcache"],
-            c["dcache"])  # fmt: skip
+    return (c["out"], c["n"], c["taus"], c["sizes"], c["choices"], c["expected"], c["step"],
+            c["tcache"], c["dcache"])  # fmt: skip

@@ -18,19 +18,16 @@ TEMPERATURES = (0.0, 1.0)
 def _run(target, prompts, drafter, method, temperature, max_new_tokens, seed, **kw) -> dict:
     import kdj
 
-    try:
-        s = kdj.generate(
-            target,
-            prompts,
-            drafter=drafter,
-            method=method,
-            temperature=temperature,
-            max_new_tokens=max_new_tokens,
-            seed=seed,
-            **kw,
-        ).stats
-    except NotImplementedError as e:  # DDTree until it lands
-        return {"error": str(e)}
+    s = kdj.generate(
+        target,
+        prompts,
+        drafter=drafter,
+        method=method,
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        **kw,
+    ).stats
     return {
         "tau": s["mean_acceptance"],
         "tokens_per_s": s["tokens_per_s"],
