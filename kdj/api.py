@@ -234,6 +234,17 @@ def _compiled(fn, *args, **static):
     return _EXECUTABLES[key]
 
 
+def _output_specs(exe, like):
+    """Shapes of `like` with the shardings the compiled prefill `exe` gives its outputs: the
+    decode loop is compiled for exactly what it will be handed (XLA may lay a cache out
+    differently from how it was passed in, e.g. a single KV head split by head_dim)."""
+
+    def spec(x, s):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+
+    return jax.tree.map(spec, like, tuple(exe.output_shardings))
+
+
 def _as_token_lists(target: Target, prompts, tokenizer: Tokenizer | None) -> list[list[int]]:
     if isinstance(prompts, str):
         prompts = [prompts]
@@ -460,8 +471,8 @@ def _run_ar(target, tokens, lens, capacity, max_new, stop, sampling, greedy):
     t0 = time.perf_counter()
     pre = _compiled(ar.prefill_and_sample, target.graphdef, target.state, tokens, lens, cache,
                     key, temp, topp, greedy=greedy)  # fmt: skip
-    first_shape = jax.ShapeDtypeStruct((B,), jnp.int32)
-    dec = _compiled(ar.decode_loop, target.graphdef, target.state, cache, first_shape, max_new,
+    first_shape, cache_spec = _output_specs(pre, (jnp.zeros((B,), jnp.int32), cache))
+    dec = _compiled(ar.decode_loop, target.graphdef, target.state, cache_spec, first_shape, max_new,
                     stop, key, temp, topp, greedy=greedy, max_steps=int(max_new.max()))  # fmt: skip
     compile_s = time.perf_counter() - t0
     (out, n_out, steps, _), pre_s, dec_s = _timed(
@@ -517,8 +528,8 @@ def _run_speculative(drafter, block_size, shapes, cost, calibration, target, tok
     t0 = time.perf_counter()
     pre = _compiled(speculative.prefill, tg, ts, dg, ds, tokens, lens, tcache, dcache, key, temp,
                     topp, greedy=greedy)  # fmt: skip
-    first_shape = jax.ShapeDtypeStruct((B,), jnp.int32)
-    dec = _compiled(speculative.decode_loop, tg, ts, dg, ds, tcache, dcache, first_shape, max_new,
+    first_shape, tspec, dspec = _output_specs(pre, (jnp.zeros((B,), jnp.int32), tcache, dcache))
+    dec = _compiled(speculative.decode_loop, tg, ts, dg, ds, tspec, dspec, first_shape, max_new,
                     stop, key, temp, topp, cal, greedy=greedy, max_steps=int(max_new.max()),
                     block_size=block_size, shapes=shapes, cost=cost)  # fmt: skip
     compile_s = time.perf_counter() - t0
