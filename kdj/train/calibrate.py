@@ -31,7 +31,8 @@ def calibrate(target, drafter, prompts, *, method="ddtree", tree_budget=16,
 
     kw = {"tree_budget": tree_budget} if method == "ddtree" else {}
     rows = []
-    for t in temperatures:
+
+    def measure(t):
         s = kdj.generate(target, prompts, drafter=drafter, method=method, calibration=t,
                          max_new_tokens=max_new_tokens, stop_tokens=[], **kw).stats  # fmt: skip
         # Leave out each sequence's last step: max_new_tokens cuts it short of its forecast.
@@ -43,8 +44,20 @@ def calibrate(target, drafter, prompts, *, method="ddtree", tree_budget=16,
                "mean_abs_error": float(np.abs(forecast - realised).mean()),
                "steps": len(pairs)}  # fmt: skip
         rows.append(row)
-        log(f"t={t:<5} forecast {row['mean_forecast']:.3f}  realised {row['mean_realised']:.3f}"
+        log(f"t={t:<5.3g} forecast {row['mean_forecast']:.3f}  realised {row['mean_realised']:.3f}"
             f"  |error| {row['mean_abs_error']:.3f} over {row['steps']} steps")  # fmt: skip
+
+    for t in sorted(temperatures):
+        measure(t)
+    # The mean forecast falls as t rises: where two neighbours bracket the realised tau,
+    # interpolate t between them and measure it too.
+    for lo, hi in zip(rows, rows[1:]):
+        gap_lo = lo["mean_forecast"] - lo["mean_realised"]
+        gap_hi = hi["mean_forecast"] - hi["mean_realised"]
+        if gap_lo > 0 > gap_hi:
+            frac = gap_lo / (gap_lo - gap_hi)
+            measure(lo["temperature"] + frac * (hi["temperature"] - lo["temperature"]))
+            break
     best = min(rows, key=lambda r: abs(r["mean_forecast"] - r["mean_realised"]))
     before = next((r for r in rows if r["temperature"] == 1.0), None)
     return {
