@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from roofline import median_time  # bench/ is the script directory
 
 import kdj
 from kdj.config import ModelConfig, load_yaml
@@ -65,16 +65,6 @@ def drafter_config(t: ModelConfig, layers: int, block: int) -> DrafterConfig:
                          num_target_layers=t.num_layers)  # fmt: skip
 
 
-def timed(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def layer_split(target, B: int, T: int, repeats: int) -> dict:
     """Seconds of one attention sub-layer and one MoE (or MLP) layer alone, on the mesh."""
     from flax import nnx
@@ -103,8 +93,8 @@ def layer_split(target, B: int, T: int, repeats: int) -> dict:
 
     v0 = cache.v[moe_i] if cache.v else None
     return {
-        "attention_s": timed(lambda: attn(st, x, cache.k[moe_i], v0), repeats),
-        "moe_or_mlp_s": timed(lambda: mlp(st, x), repeats),
+        "attention_s": median_time(lambda: attn(st, x, cache.k[moe_i], v0), repeats),
+        "moe_or_mlp_s": median_time(lambda: mlp(st, x), repeats),
         "layer": moe_i,
     }
 

@@ -30,8 +30,10 @@ max_position_embeddings: 2048
 """
 
 
-def test_multi_gpu_script_on_virtual_devices(tmp_path):
-    path = Path(__file__).resolve().parent.parent / "bench" / "multi_gpu.py"
+def test_multi_gpu_script_on_virtual_devices(tmp_path, monkeypatch):
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    monkeypatch.syspath_prepend(str(bench))  # the script imports its neighbours, as when run
+    path = bench / "multi_gpu.py"
     spec = importlib.util.spec_from_file_location("multi_gpu", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
