@@ -47,3 +47,20 @@ def hf_reference(smollm2):
         model = transformers.LlamaForCausalLM(hf_cfg)
     out = mg.load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)
     return out["config"], {k: v.float().numpy() for k, v in out["tensors"].items()}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_compilations():
+    """Drop every compiled program after each test module: one pytest process compiles
+    hundreds of XLA programs, and keeping them all grows memory and compiler state for the
+    whole run (a late XLA CPU compile once crashed in a full run and never alone)."""
+    yield
+    import gc
+
+    import jax
+
+    import kdj.api
+
+    kdj.api._EXECUTABLES.clear()
+    jax.clear_caches()
+    gc.collect()
