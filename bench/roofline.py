@@ -354,6 +354,8 @@ def run(args) -> dict:
                    "weights": weights, "experts": fmt}  # fmt: skip
             for B in args.batches:
                 for T in args.tokens:
+                    if args.max_tokens and B * T > args.max_tokens:
+                        continue  # too big to time in a sweep (projections predict it)
                     row = {**tag, **time_step(model, cfg, B, T, args.context, args.repeats, mm)}
                     result["rows"].append(row)
                     save()
@@ -419,6 +421,7 @@ def main(argv=None):
         help="BxT token shapes for the MoE layer alone",
     )
     p.add_argument("--context", type=int, default=512, help="tokens already in the cache")
+    p.add_argument("--max-tokens", type=int, help="skip steps of more than this many tokens")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--matmul-size", type=int, default=8192)

@@ -348,6 +348,9 @@ def generate(
         if len(shapes) > 1:
             cost = _step_cost(target.cfg) if cost is None else cost
             cost = cost if isinstance(cost, StepCost) else StepCost.load(cost)
+            if not cost.draft_bytes:  # a target-only fit: add this drafter's pass
+                n_params = sum(int(x.size) for x in jax.tree.leaves(drafter.state))
+                cost = cost.with_drafter(drafter.cfg, n_params, target.cfg)
         if not calibration > 0:
             raise ValueError(f"calibration must be a positive temperature (got {calibration})")
     if temperature < 0 or not 0 < top_p <= 1:
@@ -442,10 +445,12 @@ def generate(
         stats["mean_expected_acceptance"] = float(np.mean([e for e, _ in pairs] or np.nan))
         stats["calibration_error"] = float(np.mean([abs(e - t) for e, t in pairs] or np.nan))
     if method == "auto":
-        picked = [str(shapes[i]) for i in res["choices"][: res["steps"]]]
-        stats["menu"] = [str(s) for s in shapes]
-        stats["draft_choices"] = picked  # per step, for the whole batch
-        stats["draft_choice_counts"] = {str(s): picked.count(str(s)) for s in shapes}
+        # per step, for the whole batch; "skip": a plain step that did not run the drafter
+        names = [str(s) for s in shapes] + ["skip"]
+        picked = [names[i] for i in res["choices"][: res["steps"]]]
+        stats["menu"] = names[:-1]
+        stats["draft_choices"] = picked
+        stats["draft_choice_counts"] = {n: picked.count(n) for n in names}
     if method == "ddtree":
         sizes = [int(s) for row in res["sizes"][:B] for s in row if s > 0]
         stats["tree_budget"] = tree_budget

@@ -11,6 +11,11 @@ The model keeps exactly those terms, from the model config:
         + per_flop * flops(batch * T, context)
     touched(n) = moe_layers * E * (1 - (1 - k / E) ** n)    (expected distinct experts hit)
 
+A speculative step also runs the drafter once (one block of k tokens per sequence, then the
+target's lm_head over k - 1 slots); `with_drafter` adds its terms and `draft_seconds` prices
+it with the same coefficients. Its fixed part is fixed_s scaled by its share of the layers
+(launch overhead grows with the kernels a pass runs).
+
 The three coefficients are fitted to step times measured on the current GPU (`fit`, fed by
 `kdj bench`) and saved as JSON next to the model; `for_config` is a conservative default
 (half of an H200's 4.3 TB/s and 40% of its ~600 TFLOP/s bf16 rate, 0.3 ms fixed).
@@ -41,6 +46,11 @@ class StepCost:
     fixed_s: float = 3e-4
     per_byte_s: float = 1 / (0.5 * 4.3e12)
     per_flop_s: float = 1 / (0.4 * 600e12)
+    # the drafter's pass, paid by every step that drafts (0 until with_drafter)
+    draft_bytes: float = 0.0  # drafter weights + the target lm_head it borrows
+    draft_flops_per_seq: float = 0.0  # one block of k tokens + k - 1 lm_head rows
+    draft_kv_bytes_per_token: float = 0.0  # drafter context cache per token
+    draft_fixed_frac: float = 0.0  # drafter layers / target layers
 
     @classmethod
     def for_config(cls, cfg: ModelConfig, dtype_bytes: int = 2) -> StepCost:
@@ -79,6 +89,21 @@ class StepCost:
             attn_flops_per_context=float(attn * cfg.num_layers),
         )
 
+    def with_drafter(self, dcfg, num_params: int, target_cfg: ModelConfig,
+                     dtype_bytes: int = 2) -> StepCost:  # fmt: skip
+        """The same model plus the draft pass of a DFlash drafter (dcfg: its DrafterConfig,
+        num_params: its own parameter count; it borrows the target's embedding and lm_head)."""
+        lc, k = dcfg.layers, dcfg.block_size
+        head = target_cfg.vocab_size * target_cfg.hidden_size
+        kv = 2 * lc.num_kv_heads * lc.head_dim * lc.num_layers
+        return dataclasses.replace(
+            self,
+            draft_bytes=float((num_params + head) * dtype_bytes),
+            draft_flops_per_seq=float(2 * (num_params * k + head * (k - 1))),
+            draft_kv_bytes_per_token=float(kv * dtype_bytes),
+            draft_fixed_frac=lc.num_layers / max(target_cfg.num_layers, 1),
+        )
+
     # ------------------------------------------------------------------ prediction
     def terms(self, batch, tokens_per_seq, context):
         """(bytes, flops) of one step; works on numpy and jax values alike."""
@@ -99,6 +124,16 @@ class StepCost:
         """Predicted step time: batch sequences, tokens_per_seq verified each, at context."""
         b, f = self.terms(batch, tokens_per_seq, context)
         return self.fixed_s + b * self.per_byte_s + f * self.per_flop_s
+
+    def draft_seconds(self, batch, context):
+        """Predicted time of one draft pass for batch sequences at context (0 without a
+        drafter)."""
+        bytes_ = self.draft_bytes + batch * context * self.draft_kv_bytes_per_token
+        return (
+            self.fixed_s * self.draft_fixed_frac
+            + bytes_ * self.per_byte_s
+            + batch * self.draft_flops_per_seq * self.per_flop_s
+        )
 
     # ------------------------------------------------------------------ fitting and files
     def fit(self, rows) -> StepCost:

@@ -106,6 +106,32 @@ def test_controller_prefers_plain_decoding_when_verify_tokens_are_dear():
     assert float(hot[2].sum()) < float(total[2])
 
 
+def test_draft_cost_and_the_decision_to_skip_the_drafter():
+    from kdj.models.drafter import DrafterConfig
+
+    cfg = moonlight()
+    layers = cfg.replace(family="llama", num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64)
+    dcfg = DrafterConfig(layers=layers, block_size=8, mask_token_id=0, target_layer_ids=(1,),
+                         num_target_layers=cfg.num_layers)  # fmt: skip
+    base = StepCost.for_config(cfg)
+    assert base.draft_seconds(4, 100) == 0.0  # no drafter yet
+    cost = base.with_drafter(dcfg, 10**7, cfg)
+    head = cfg.vocab_size * cfg.hidden_size
+    assert cost.draft_bytes == 2 * (10**7 + head)
+    assert cost.draft_flops_per_seq == 2 * (10**7 * 8 + head * 7)
+    assert cost.draft_seconds(64, 100) > cost.draft_seconds(1, 100) > 0
+
+    shapes = tuple(DraftShape(*s) for s in (("none",), ("chain", 4), ("tree", 12)))
+    active = jnp.ones((2,), bool)
+    sure = jnp.array([[1.0, 1.0], [5.0, 5.0], [9.0, 9.0]])  # every draft accepted
+    hopeless = jnp.array([[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]])
+    assert bool(speculative.drafting_pays(shapes, sure, active, cost, 100.0))
+    assert not bool(speculative.drafting_pays(shapes, hopeless, active, cost, 100.0))
+    # compute-bound: 13 verified tokens cost 13x one; 9 expected tokens do not pay for it
+    dear = dataclasses.replace(cost, fixed_s=0.0, per_byte_s=0.0, per_flop_s=1.0)
+    assert not bool(speculative.drafting_pays(shapes, sure, active, dear, 100.0))
+
+
 # ------------------------------------------------------------------ lossless while switching
 def scrambled_choice(shapes, gains, active, cost, context):
     """Test double for the controller: a pseudo-random menu entry per step (from the mean
@@ -114,9 +140,16 @@ def scrambled_choice(shapes, gains, active, cost, context):
     return (context * 7.3).astype(jnp.int32) % len(shapes)
 
 
+def scrambled_pays(shapes, gains, active, cost, context):
+    """Test double for the draft-or-skip decision: pseudo-random too, so runs mix plain steps
+    that skip the drafter with drafted ones."""
+    return (context * 3.7).astype(jnp.int32) % 3 != 0
+
+
 @pytest.fixture
 def switching(monkeypatch):
     monkeypatch.setattr(speculative, "choose", scrambled_choice)
+    monkeypatch.setattr(speculative, "drafting_pays", scrambled_pays)
     kdj.api._EXECUTABLES.clear()
     jax.clear_caches()
     yield
@@ -134,7 +167,7 @@ def test_greedy_auto_equals_ar_while_switching_every_branch(family, switching, t
     ar = kdj.generate(target, prompts, method="ar", **kw)
     au = kdj.generate(target, prompts, drafter=drafter, method="auto", menu=MENU, **kw)
     assert au.tokens == ar.tokens
-    assert set(au.stats["draft_choices"]) == set(MENU[:2] + ["chain4"] + MENU[3:])
+    assert set(au.stats["draft_choices"]) == set(MENU[:2] + ["chain4"] + MENU[3:] + ["skip"])
     assert max(max(t) for t in au.stats["acceptance_lengths"]) > 1
 
 
@@ -152,7 +185,7 @@ def test_sampled_auto_is_lossless_while_switching(switching, tmp_path):
     assert chi_square_p_ok(
         (t[:, 0] * V + t[:, 1]) * V + t[:, 2], exact_joint(target, prompt, 3, 0.9)
     )
-    assert len(set(out.stats["draft_choices"])) > 1
+    assert len(set(out.stats["draft_choices"])) > 1 and "skip" in out.stats["draft_choices"]
 
 
 def test_auto_default_menu_and_bad_menus(tmp_path):
@@ -164,6 +197,17 @@ def test_auto_default_menu_and_bad_menus(tmp_path):
     au = kdj.generate(target, prompts, drafter=drafter, max_new_tokens=12, stop_tokens=[])
     assert au.stats["method"] == "auto" and au.tokens == ar.tokens
     assert au.stats["menu"] == ["none", "chain3", "tree16", "tree64", "tree256"]
+    # compute-bound prices: drafting never pays, so after the first (forced) draft the loop
+    # skips the drafter and re-drafts only at the backing-off probes (steps 9, 26, ...)
+    dear = dataclasses.replace(StepCost.for_config(target.cfg), fixed_s=0.0, per_byte_s=0.0,
+                               per_flop_s=1.0)  # fmt: skip
+    sk = kdj.generate(target, prompts, drafter=drafter, max_new_tokens=40, stop_tokens=[],
+                      cost=dear)  # fmt: skip
+    ar40 = kdj.generate(target, prompts, method="ar", max_new_tokens=40, stop_tokens=[])
+    picks = sk.stats["draft_choices"]
+    assert sk.tokens == ar40.tokens
+    assert picks[0] != "skip" and picks[1:9] == ["skip"] * 8 and picks[9] != "skip"
+    assert sum(p != "skip" for p in picks) == 3 and len(picks) == 39
     for menu, msg in ((["tree0"], "bad menu entry"), (["chain9"], "a chain holds 1..3"),
                       (["none", "none"], "distinct"), (["fork2"], "bad menu entry")):  # fmt: skip
         with pytest.raises(ValueError, match=msg):

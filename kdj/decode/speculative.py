@@ -87,7 +87,8 @@ def expected(shapes, lp, full, calibration):
 
 def choose(shapes, gains, active, cost, context):
     """The adaptive controller: index into `shapes` maximising expected committed tokens per
-    predicted second for the whole batch (all rows run the same shape, finished ones too).
+    predicted second for the whole batch (all rows run the same shape, finished ones too),
+    once this step's draft is done (its cost is sunk).
 
     gains [S, B] from `expected`; active [B]; cost: a kdj.cost.StepCost; context: mean
     committed length of the active sequences."""
@@ -96,6 +97,28 @@ def choose(shapes, gains, active, cost, context):
     nodes = [0 if s.kind == "none" else s.size for s in shapes]
     seconds = jnp.stack([cost.seconds(B, 1 + n, context) for n in nodes]).astype(jnp.float32)
     return jnp.argmax(total / seconds)
+
+
+def drafting_pays(shapes, gains, active, cost, context):
+    """Whether a step that drafts (draft pass + the best verify of the menu) is expected to
+    commit more tokens per second than a plain step that skips the drafter, judged from the
+    latest draft's gains [S, B]. Returns a bool scalar."""
+    B = gains.shape[1]
+    total = jnp.sum(jnp.where(active[None], gains, 0.0), axis=1)
+    draft_s = cost.draft_seconds(B, context)
+    rates = [
+        total[i] / (cost.seconds(B, 1 + s.size, context) + draft_s)
+        for i, s in enumerate(shapes)
+        if s.kind != "none"
+    ]
+    plain = jnp.sum(active) / cost.seconds(B, 1, context)
+    return jnp.max(jnp.stack(rates)) > plain
+
+
+# A plain step skips the drafter. While drafting does not pay, the loop still drafts now and
+# then to refresh its forecast: first after PROBE_MIN plain steps, then at doubling intervals
+# up to PROBE_MAX (a few probes per generation, each at most one draft pass of overhead).
+PROBE_MIN, PROBE_MAX = 8, 256
 
 
 @functools.partial(
@@ -110,11 +133,14 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
 
     shapes: the static menu of trees.DraftShape a step may verify; with one entry every step
     verifies it (DFlash: chain k - 1; DDTree: tree B), with several the controller (`choose`,
-    needs `cost`) picks one per step and `lax.switch` runs it. max_steps = max(max_new).
+    needs `cost`) picks one per step and `lax.switch` runs it. With "none" on a menu of
+    several, a step whose draft is not expected to pay (`drafting_pays`, from the latest
+    draft's forecast) skips the drafter and decodes plainly; drafting resumes at the next
+    probe (PROBE_MIN .. PROBE_MAX steps) that finds it pays. max_steps = max(max_new).
     Returns (out [B, max_steps] int32, n_out [B], taus [B, max_steps] (tokens committed per
     step, 0 once finished), sizes [B, max_steps] (draft nodes verified per step), choices
-    [max_steps] (index into shapes per step), expected [B, max_steps] (tokens the drafter
-    expected each step to commit), steps, tcache, dcache).
+    [max_steps] (index into shapes per step; len(shapes): the drafter was skipped), expected
+    [B, max_steps] (tokens the drafter expected each step to commit), steps, tcache, dcache).
     """
     target, drafter = nnx.merge(tgraph, tstate), nnx.merge(dgraph, dstate)
     k = block_size
@@ -133,7 +159,7 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
     def verify(shape, lp, full, tcache, last, limit, step_key):
         """One target pass over root + the shape's tree, acceptance walk and compaction."""
         L = tcache.lengths
-        tree = trees.draft_tree(shape, lp, full)
+        tree = trees.draft_tree(shape, lp, full, batch=B)
         tokens, positions, mask, valid = trees.verify_inputs(tree, last, L, S)
         logits, tcache, taps = target(
             tokens, L, tcache, positions=positions, tree=mask, taps=drafter.cfg.target_layer_ids
@@ -150,26 +176,67 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
     def cond(c):
         return (c["step"] < max_steps) & ~jnp.all(c["done"])
 
+    adaptive = len(shapes) > 1
+    none = [i for i, s in enumerate(shapes) if s.kind == "none"]
+    can_skip = adaptive and bool(none)  # "none" on the menu: steps may skip the drafter
+
+    def drafted(c, active, limit, step_key, context):
+        """A step that drafts: draft, pick the menu entry (adaptive), verify it."""
+        lp, dcache = draft(target, drafter, c["dcache"], c["last"], c["pending"], c["n_pend"], k)
+        # one build of the menu's largest tree; smaller trees are its first nodes
+        full = trees.build_trees(lp, max(trees_in_menu)) if trees_in_menu else None
+        args = (lp, full, c["tcache"], c["last"], limit, step_key)
+        gains = expected(shapes, lp, full, calibration)  # [S, B]
+        if adaptive:
+            choice = choose(shapes, gains, active, cost, context)
+            branches = [functools.partial(verify, shape) for shape in shapes]
+            res = jax.lax.switch(choice, branches, *args)
+        else:
+            choice = jnp.int32(0)
+            res = verify(shapes[0], *args)
+        return (*res, dcache, choice.astype(jnp.int32), gains)
+
+    def plain(c, active, limit, step_key, context):
+        """A step that skips the drafter: one-token target pass (as plain decoding runs it)
+        that also taps the features the drafter's context takes in."""
+        L = c["tcache"].lengths
+        dcache = drafter.add_context(c["pending"], L - c["n_pend"], c["dcache"])
+        logits, tcache, taps = target(
+            c["last"][:, None], L, c["tcache"], taps=drafter.cfg.target_layer_ids
+        )
+        bonus = sample(logits[:, 0], step_key, temperature, top_p, greedy)
+        feats = jnp.pad(_features(taps), ((0, 0), (0, k - 1), (0, 0))).astype(pending.dtype)
+        zero = jnp.zeros((B,), jnp.int32)
+        accepted = jnp.zeros((B, k - 1), jnp.int32)
+        return (tcache, zero, bonus, accepted, feats, zero, dcache, jnp.int32(len(shapes)),
+                c["gains"])  # fmt: skip
+
     def body(c):
-        tcache, dcache, last = c["tcache"], c["dcache"], c["last"]
-        L = tcache.lengths
-        lp, dcache = draft(target, drafter, dcache, last, c["pending"], c["n_pend"], k)
+        L = c["tcache"].lengths
         # Commit at most up to the cache end (slots L .. L + a must exist) and the budget.
         active = ~c["done"]
         limit = jnp.where(active, jnp.maximum(jnp.minimum(S - 1 - L, max_new - c["n"] - 1), 0), 0)
         step_key = jax.random.fold_in(key, c["step"] + 1)
-        # one build of the menu's largest tree; smaller trees are its first nodes
-        full = trees.build_trees(lp, max(trees_in_menu)) if trees_in_menu else None
-        args = (lp, full, tcache, last, limit, step_key)
-        gains = expected(shapes, lp, full, calibration)  # [S, B]
-        if len(shapes) == 1:
-            choice = jnp.int32(0)
-            tcache, a, bonus, accepted, feats, size = verify(shapes[0], *args)
+        context = jnp.sum(jnp.where(active, L, 0)) / jnp.maximum(jnp.sum(active), 1)
+        ops = (c, active, limit, step_key, context)
+        if can_skip:
+            pays = drafting_pays(shapes, c["gains"], active, cost, context)
+            do_draft = pays | (c["since"] >= c["wait"])
+            res = jax.lax.cond(do_draft, drafted, plain, *ops)
         else:
-            context = jnp.sum(jnp.where(active, L, 0)) / jnp.maximum(jnp.sum(active), 1)
-            choice = choose(shapes, gains, active, cost, context)
-            branches = [functools.partial(verify, shape) for shape in shapes]
-            tcache, a, bonus, accepted, feats, size = jax.lax.switch(choice, branches, *args)
+            do_draft = jnp.bool_(True)
+            res = drafted(*ops)
+        tcache, a, bonus, accepted, feats, size, dcache, choice, gains = res
+        if can_skip:  # after a draft: back to short probes if drafting pays, else back off
+            pays_now = drafting_pays(shapes, gains, active, cost, context)
+            wait = jnp.where(
+                do_draft,
+                jnp.where(pays_now, PROBE_MIN, jnp.clip(2 * c["wait"], PROBE_MIN, PROBE_MAX)),
+                c["wait"],
+            )
+            since = jnp.where(do_draft, 0, c["since"] + 1)
+        else:
+            wait, since = c["wait"], c["since"]
         # Emitted this step: the accepted nodes' tokens, then the bonus; cut after a stop.
         j = jnp.arange(k)
         emitted = jnp.where(
@@ -185,10 +252,11 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         n = c["n"] + count
         done = c["done"] | (active & (stop_at.any(1) | (n >= max_new)))
         L_new = jnp.where(active, L + a + 1, L)
+        expect = jnp.where(active, jnp.where(do_draft, gains[choice], 1.0), 0)
         return {
             "tcache": tcache.with_lengths(L_new),
             "dcache": dcache.with_lengths(L_new),
-            "last": jnp.where(active, bonus, last),
+            "last": jnp.where(active, bonus, c["last"]),
             "pending": feats,
             "n_pend": jnp.where(active, a + 1, 0),
             "out": out,
@@ -197,8 +265,12 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
             "taus": c["taus"].at[:, c["step"]].set(count),
             "sizes": c["sizes"].at[:, c["step"]].set(jnp.where(active, size, 0)),
             "choices": c["choices"].at[c["step"]].set(choice),
-            # what the drafter expected this step to commit (before stop/limit cuts)
-            "expected": c["expected"].at[:, c["step"]].set(jnp.where(active, gains[choice], 0)),
+            # what the drafter expected this step to commit (before stop/limit cuts); a plain
+            # step expects exactly one token
+            "expected": c["expected"].at[:, c["step"]].set(expect),
+            "gains": gains,
+            "wait": wait,
+            "since": since,
             "step": c["step"] + 1,
         }
 
@@ -207,6 +279,9 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         "out": out, "n": n, "done": done, "taus": taus, "sizes": jnp.zeros_like(taus),
         "choices": jnp.full((max_steps,), -1, jnp.int32),
         "expected": jnp.zeros((B, max_steps), jnp.float32), "step": jnp.int32(0),
+        # the latest draft's expected tokens per menu entry; the first step always drafts
+        "gains": jnp.ones((len(shapes), B), jnp.float32),
+        "wait": jnp.int32(0), "since": jnp.int32(0),
     }  # fmt: skip
     c = jax.lax.while_loop(cond, body, carry)
     return (c["out"], c["n"], c["taus"], c["sizes"], c["choices"], c["expected"], c["step"],

@@ -126,14 +126,28 @@ def top(tree, n: int):
     return {k: v[:, :n, :n] if k == "ancestors" else v[:, :n] for k, v in tree.items()}
 
 
-def draft_tree(shape: DraftShape, lp, full=None):
-    """The tree a step verifies for `shape`; lp [B, L, V]. `full` (optional) is a
-    build_trees dict of at least shape.size nodes to slice instead of building again."""
+def root_only(batch: int):
+    """The tree of plain decoding: no nodes, the root alone (build_trees dict, budget 0)."""
+    i32 = jnp.zeros((batch, 0), jnp.int32)
+    return {
+        "tokens": i32,
+        "depth": i32,
+        "parent": i32,
+        "score": jnp.zeros((batch, 0), jnp.float32),
+        "valid": jnp.zeros((batch, 0), bool),
+        "ancestors": jnp.zeros((batch, 0, 0), bool),
+    }
+
+
+def draft_tree(shape: DraftShape, lp, full=None, batch=None):
+    """The tree a step verifies for `shape`; lp [B, L, V] (None for "none", which then
+    needs `batch`). `full` (optional) is a build_trees dict of at least shape.size nodes to
+    slice instead of building again."""
     if shape.kind == "chain":
         return chain_trees(lp[:, : shape.size])
     if shape.kind == "tree":
         return top(full, shape.size) if full is not None else build_trees(lp, shape.size)
-    return top(chain_trees(lp[:, :1]), 0)  # no nodes: the root alone
+    return root_only(lp.shape[0] if batch is None else batch)
 
 
 def expected_tokens(shape: DraftShape, tree, lp):
