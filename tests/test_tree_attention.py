@@ -141,3 +141,24 @@ def test_supported_shapes():
     assert not supported((1, 17, 12, 20), (1, 99, 4, 20), 20, latent=False)  # 20 = 16 + 4
     assert not supported((1, 17, 12, 64), (1, 99, 5, 64), 64, latent=False)  # H % KVH
     assert not supported((1, 17, 16, 96), (1, 99, 1, 96), 48, latent=True)  # V not 1st piece
+
+
+def test_tree_cut_at_the_cache_end():
+    """Near the cache end verify_inputs drops the nodes whose slots fall past the last one
+    (S < start + T). The kernel must not read past slot S - 1: on the H200 that memory held
+    NaNs that leaked into p @ V (DDTree budget 256 at batch 1 accepted nothing). This fails
+    in interpret mode too when the kernel's last block runs past S."""
+    B, T, H, KVH, hd = 2, 40, 4, 2, 32
+    rng, q, k, v, _ = inputs(11, B, T, H, KVH, hd, hd, jnp.float32, extra=50)
+    S = k.shape[1] - T + 25  # the cache ends 25 slots into the tree
+    k, v = k[:, :S], v[:, :S]
+    start = jnp.asarray([50, 40], jnp.int32)
+    valid = np.arange(T)[None, :] < (S - np.asarray(start))[:, None]  # slots start + i < S
+    tree = np.array(random_trees(rng, B, T)) & valid[:, :, None] & valid[:, None, :]
+    tree[:, np.arange(T), np.arange(T)] |= ~valid  # a dropped node sees itself only...
+    tree = jnp.asarray(tree)
+    out = np.asarray(tree_attention(q, k, v, start, tree, 0.2, block_k=16))
+    ref = np.asarray(reference_attention(q, k, v, start, tree, 0.2))
+    keep = jnp.asarray(valid)  # ...and its output is never used: compare the kept nodes
+    assert np.isfinite(out[keep]).all()
+    np.testing.assert_allclose(out[keep], ref[keep], atol=1e-5, rtol=1e-5)

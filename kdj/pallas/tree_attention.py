@@ -103,7 +103,10 @@ def _kernel(
     qs = [q_ref[b, h, pl.ds(qi * bq, bq), pl.ds(off, size)] for off, size in parts]
 
     start = start_ref[b]
-    end = start + T  # slots >= end are never read (their contents may be stale)
+    # Slots >= end are never read: past start + T they are stale, and past the cache's last
+    # slot (a tree cut at the cache end) they do not exist; an unmasked read there returns
+    # whatever memory follows, NaN included, which then poisons p @ V even where p = 0.
+    end = jnp.minimum(start + T, k_ref.shape[1])
     n_full = start // bk  # blocks entirely below start: visible to every query
 
     def step(blk, carry, tail: bool):
