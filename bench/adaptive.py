@@ -2,14 +2,14 @@
 
 For each batch size the same held-out prompts are generated with plain decoding (AR), fixed
 DFlash (the drafter's chain), fixed DDTree budgets and method="auto" (the controller with the
-step-cost model `--cost`, as `kdj bench --fit-cost` fits it on this GPU). Every sequence
+step-cost model `--cost`, or with `--fit-cost` one fitted to this run's fixed-method decode
+steps before auto runs). Every sequence
 generates exactly --new tokens (stop tokens off), so every method does the same work and
 tokens/s compare directly. Greedy (T=0), bf16.
 
     python bench/adaptive.py --target <SmolLM2-135M-Instruct.Q4_1.gguf> \
         --drafter smollm2-135m-dflash-b16 --prompts .traincache/data/eval_prompts.json \
-        --batches 1 4 16 64 256 --budgets 16 64 256 --cost $OUT/cost.json \
-        --out $OUT/adaptive.json
+        --batches 1 4 16 64 256 --fit-cost $OUT/cost.json --out $OUT/adaptive.json
 
 Prompts: the "sharegpt" held-out conversations of eval_prompts.json (what `kdj train-drafter`
 caches: ShareGPT conversations after the first 16,000), cycled when a batch needs more.
@@ -52,34 +52,87 @@ def run_method(target, drafter, prompts, method, new, repeats, **kw) -> dict:
     return row, o.tokens
 
 
-def sweep(target, drafter, prompts, batches, budgets, new, repeats, cost, log=print,
-          save=lambda rows: None) -> list:  # fmt: skip
+def fit_cost(target, drafter, rows, path):
+    """kdj.cost.StepCost fitted to this run's decode-loop step times: AR steps (target
+    alone) and fixed DFlash/DDTree steps (draft + verify of 1 + nodes tokens). Saved to
+    path; generate(method="auto", cost=path) loads it."""
+    import jax as _jax
+
+    from kdj.cost import StepCost
+
+    n_params = sum(int(x.size) for x in _jax.tree.leaves(drafter.state))
+    base = StepCost.for_config(target.cfg).with_drafter(drafter.cfg, n_params, target.cfg)
+    k = drafter.cfg.block_size
+    data = []
+    for r in rows:
+        for name, m in r["methods"].items():
+            if name == "auto":
+                continue
+            T = 1 if name == "ar" else k if name == "dflash" else 1 + int(name[len("ddtree") :])
+            data.append((r["batch"], T, r["context"], m["step_ms"] / 1e3, name != "ar",
+                         T - 1 if name.startswith("ddtree") else 0))  # fmt: skip
+    cost = base.fit(data)
+    cost.save(path)
+    worst = max(abs(cost.seconds(b, t, c) + d * cost.draft_seconds(b, c, n) - s) / s
+                for b, t, c, s, d, n in data)  # fmt: skip
+    print(f"step cost fitted to {len(data)} loop steps (worst relative error {worst:.0%}) -> "
+          f"{path}")  # fmt: skip
+    return cost
+
+
+def summarise(row) -> dict:
+    res = row["methods"]
+    fixed = {k: v["tokens_per_s"] for k, v in res.items() if k != "auto"}
+    best = max(fixed, key=fixed.get)
+    row["best_fixed"] = best
+    if "auto" in res:
+        auto = res["auto"]["tokens_per_s"]
+        row["auto_vs_best_fixed"] = auto / fixed[best]
+        row["auto_vs_ar"] = auto / fixed["ar"] if "ar" in fixed else float("nan")
+    return row
+
+
+def sweep(target, drafter, prompts, batches, methods, new, repeats, cost, fit_path=None,
+          log=print, save=lambda rows: None) -> list:  # fmt: skip
+    """methods: names among ar, dflash, ddtree<B>, auto. Fixed methods run first at every
+    batch; with fit_path the step-cost model is fitted to them before auto runs."""
     rows = []
     for B in batches:
         batch = [prompts[i % len(prompts)] for i in range(B)]
-        methods = {"ar": {}, "dflash": {}}
-        methods.update({f"ddtree{b}": {"tree_budget": b} for b in budgets})
-        methods["auto"] = {"cost": cost}
-        res, ref = {}, None
-        for name, kw in methods.items():
-            method = "ddtree" if name.startswith("ddtree") else name
-            r, toks = run_method(target, drafter, batch, method, new, repeats, **kw)
-            ref = toks if ref is None else ref
-            # bf16: a verify pass over many tokens rounds differently from a one-token step,
-            # so near-tied argmaxes may flip; the fraction shows how often (tests run f32)
-            r["identical_to_ar"] = sum(a == b for a, b in zip(toks, ref)) / B
-            res[name] = r
-            log(f"B={B:4d} {name:10s} {r['tokens_per_s']:10.0f} tok/s  tau {r['tau']:.2f}  "
-                f"step {r['step_ms']:.3f} ms")  # fmt: skip
-        fixed = {k: v["tokens_per_s"] for k, v in res.items() if k != "auto"}
-        best = max(fixed, key=fixed.get)
-        auto = res["auto"]["tokens_per_s"]
-        rows.append({
-            "batch": B, "methods": res, "best_fixed": best,
-            "auto_vs_best_fixed": auto / fixed[best], "auto_vs_ar": auto / fixed["ar"],
-        })  # fmt: skip
-        rows.sort(key=lambda r: r["batch"])
-        save(rows)  # after every batch size: a cut run keeps what it measured
+        context = sum(len(p) for p in batch) / B + new / 2  # mean tokens in the cache
+        rows.append({"batch": B, "context": context, "prompts": batch, "methods": {}})
+
+    def measure(row, name, **kw):
+        method = "ddtree" if name.startswith("ddtree") else name
+        if method == "ddtree":
+            kw["tree_budget"] = int(name[len("ddtree") :])
+        r, toks = run_method(target, drafter, row["prompts"], method, new, repeats, **kw)
+        ref = row.setdefault("_ar_tokens", toks if name == "ar" else None)
+        # bf16: a verify pass over many tokens rounds differently from a one-token step,
+        # so near-tied argmaxes may flip; the fraction shows how often (tests run f32)
+        if ref is not None:
+            r["identical_to_ar"] = sum(a == b for a, b in zip(toks, ref)) / len(toks)
+        row["methods"][name] = r
+        log(
+            f"B={row['batch']:4d} {name:10s} {r['tokens_per_s']:10.0f} tok/s  tau "
+            f"{r['tau']:.2f}  step {r['step_ms']:.3f} ms  {r.get('draft_choice_counts', '')}"
+        )
+        save(rows)  # after every measurement: a cut run keeps what it measured
+
+    for row in rows:
+        for name in methods:
+            if name != "auto":
+                measure(row, name)
+    if fit_path:
+        cost = fit_cost(target, drafter, rows, fit_path)
+    if "auto" in methods:
+        for row in rows:
+            measure(row, "auto", cost=cost)
+    for row in rows:
+        row.pop("prompts")
+        row.pop("_ar_tokens", None)
+        summarise(row)
+    save(rows)
     return rows
 
 
@@ -90,8 +143,9 @@ def markdown(rows) -> str:
     for r in rows:
         cells = [f"{r['methods'][n]['tokens_per_s']:,.0f} ({r['methods'][n]['tau']:.2f})"
                  for n in names]  # fmt: skip
+        auto = [r.get("auto_vs_best_fixed", float("nan")), r.get("auto_vs_ar", float("nan"))]
         lines.append(f"| {r['batch']} | " + " | ".join(cells) + f" | {r['best_fixed']} | "
-                     f"{r['auto_vs_best_fixed']:.3f} | {r['auto_vs_ar']:.3f} |")  # fmt: skip
+                     f"{auto[0]:.3f} | {auto[1]:.3f} |")  # fmt: skip
     return "tokens/s (tau)\n\n" + "\n".join(lines) + "\n"
 
 
@@ -127,11 +181,14 @@ def main(argv=None):
     p.add_argument("--drafter", default="smollm2-135m-dflash-b16")
     p.add_argument("--prompts", required=True, help="eval_prompts.json (kdj train-drafter)")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16, 64, 256])
-    p.add_argument("--budgets", nargs="+", type=int, default=[16, 64, 256])
+    p.add_argument("--methods", nargs="+", default=["ar", "dflash", "ddtree16", "ddtree64",
+                   "ddtree256", "auto"], help="ar, dflash, ddtree<B>, auto")  # fmt: skip
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--max-prompt-tokens", type=int, default=512)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--cost", help="StepCost JSON for auto (default: kdj's conservative one)")
+    p.add_argument("--fit-cost", help="fit a StepCost to this run's fixed methods, save it here "
+                   "and run auto with it")  # fmt: skip
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -152,12 +209,13 @@ def main(argv=None):
             "jax": jax.__version__, "args": vars(args), "seconds": time.time() - t0,
             "calibration": drafter.calibration,
         }  # fmt: skip
-        out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        out.with_suffix(".md").write_text(markdown(rows))
-        plot(rows, out.with_suffix(".png"))
+        clean = [{k: v for k, v in r.items() if k not in ("prompts", "_ar_tokens")} for r in rows]
+        out.write_text(json.dumps({"meta": meta, "rows": clean}, indent=1))
 
-    rows = sweep(target, drafter, prompts, args.batches, args.budgets, args.new, args.repeats,
-                 args.cost, save=save)  # fmt: skip
+    rows = sweep(target, drafter, prompts, args.batches, args.methods, args.new, args.repeats,
+                 args.cost, args.fit_cost, save=save)  # fmt: skip
+    out.with_suffix(".md").write_text(markdown(rows))
+    plot(rows, out.with_suffix(".png"))
     print(markdown(rows))
     return rows
 

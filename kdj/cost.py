@@ -51,6 +51,8 @@ class StepCost:
     draft_flops_per_seq: float = 0.0  # one block of k tokens + k - 1 lm_head rows
     draft_kv_bytes_per_token: float = 0.0  # drafter context cache per token
     draft_fixed_frac: float = 0.0  # drafter layers / target layers
+    draft_fixed_s: float = 0.0  # fitted: a drafting step's own overhead (launches, tree walk)
+    per_node_s: float = 0.0  # fitted: building a tree, per sequence per node
 
     @classmethod
     def for_config(cls, cfg: ModelConfig, dtype_bytes: int = 2) -> StepCost:
@@ -125,33 +127,50 @@ class StepCost:
         b, f = self.terms(batch, tokens_per_seq, context)
         return self.fixed_s + b * self.per_byte_s + f * self.per_flop_s
 
-    def draft_seconds(self, batch, context):
-        """Predicted time of one draft pass for batch sequences at context (0 without a
-        drafter)."""
+    def draft_seconds(self, batch, context, nodes=0):
+        """Predicted time of one draft pass for batch sequences at context, building a tree
+        of `nodes` nodes per sequence (0 for a chain); 0 without a drafter."""
         bytes_ = self.draft_bytes + batch * context * self.draft_kv_bytes_per_token
         return (
             self.fixed_s * self.draft_fixed_frac
+            + self.draft_fixed_s
             + bytes_ * self.per_byte_s
             + batch * self.draft_flops_per_seq * self.per_flop_s
+            + batch * nodes * self.per_node_s
         )
 
     # ------------------------------------------------------------------ fitting and files
     def fit(self, rows) -> StepCost:
-        """Least-squares coefficients (fixed, per byte, per FLOP; all >= 0) from measured
-        rows of (batch, tokens_per_seq, context, seconds). Relative error is minimised, so
-        a 1 ms decode step counts as much as a 100 ms batch-256 verify."""
+        """Least-squares coefficients (all >= 0) from measured rows of (batch, tokens_per_seq,
+        context, seconds[, drafted, tree_nodes]). Target steps alone (drafted 0 or absent)
+        fit fixed, per byte and per FLOP. Rows with drafted = 1 are whole speculative steps
+        (draft pass + tree of tree_nodes nodes + verify, as a decode loop times them; needs
+        with_drafter first) and also fit the drafting step's own overhead and the per-node
+        tree cost. Relative error is minimised, so a 1 ms decode step counts as much as a
+        100 ms batch-256 verify."""
         rows = np.asarray(rows, float)
         b, f = self.terms(rows[:, 0], rows[:, 1], rows[:, 2])
-        X = np.stack([np.ones_like(b), b, f], axis=1) / rows[:, 3:4]
+        cols = [np.ones_like(b), b, f]
+        if rows.shape[1] > 4:
+            d, nodes = rows[:, 4], rows[:, 5] if rows.shape[1] > 5 else np.zeros(len(rows))
+            cols[0] = cols[0] + d * self.draft_fixed_frac
+            cols[1] = b + d * (
+                self.draft_bytes + rows[:, 0] * rows[:, 2] * self.draft_kv_bytes_per_token
+            )
+            cols[2] = f + d * rows[:, 0] * self.draft_flops_per_seq
+            cols += [d, d * rows[:, 0] * nodes]
+        X = np.stack(cols, axis=1) / rows[:, 3:4]
         y = np.ones(len(rows))
-        keep = [0, 1, 2]
+        keep = [i for i in range(X.shape[1]) if X[:, i].any()]
         while True:  # drop coefficients that come out negative, refit (tiny active-set NNLS)
-            coef = np.zeros(3)
+            coef = np.zeros(5)
             coef[keep] = np.linalg.lstsq(X[:, keep], y, rcond=None)[0]
             if (coef >= 0).all():
                 break
             keep = [i for i in keep if coef[i] > 0]
-        return dataclasses.replace(self, fixed_s=coef[0], per_byte_s=coef[1], per_flop_s=coef[2])
+        names = ("fixed_s", "per_byte_s", "per_flop_s", "draft_fixed_s", "per_node_s")
+        fitted = {n: float(c) for n, c in zip(names, coef) if n in names[: X.shape[1]]}
+        return dataclasses.replace(self, **fitted)
 
     def save(self, path) -> Path:
         path = Path(path)

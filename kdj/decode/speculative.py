@@ -168,10 +168,11 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
             tree, valid, logits, step_key, temperature, top_p, limit, max_depth=k - 1,
             greedy=greedy,
         )  # fmt: skip
-        tcache = trees.compact(tcache, path, a)
         accepted = jnp.take_along_axis(tokens, path[:, 1:], axis=1)  # [B, k - 1]
         feats = jnp.take_along_axis(_features(taps), path[:, :, None], axis=1)  # [B, k, K*D]
-        return tcache, a, bonus, accepted, feats.astype(pending.dtype), valid.sum(1)
+        # compaction runs after the switch, outside any branch: inside one, XLA copies the
+        # whole cache every step to keep the branch's in-place updates safe
+        return tcache, a, bonus, accepted, feats.astype(pending.dtype), valid.sum(1), path
 
     def cond(c):
         return (c["step"] < max_steps) & ~jnp.all(c["done"])
@@ -208,36 +209,25 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         feats = jnp.pad(_features(taps), ((0, 0), (0, k - 1), (0, 0))).astype(pending.dtype)
         zero = jnp.zeros((B,), jnp.int32)
         accepted = jnp.zeros((B, k - 1), jnp.int32)
-        return (tcache, zero, bonus, accepted, feats, zero, dcache, jnp.int32(len(shapes)),
+        path = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (B, k))  # nothing to move
+        return (tcache, zero, bonus, accepted, feats, zero, path, dcache, jnp.int32(len(shapes)),
                 c["gains"])  # fmt: skip
 
-    def body(c):
+    def step_inputs(c):
         L = c["tcache"].lengths
         # Commit at most up to the cache end (slots L .. L + a must exist) and the budget.
         active = ~c["done"]
         limit = jnp.where(active, jnp.maximum(jnp.minimum(S - 1 - L, max_new - c["n"] - 1), 0), 0)
         step_key = jax.random.fold_in(key, c["step"] + 1)
         context = jnp.sum(jnp.where(active, L, 0)) / jnp.maximum(jnp.sum(active), 1)
-        ops = (c, active, limit, step_key, context)
-        if can_skip:
-            pays = drafting_pays(shapes, c["gains"], active, cost, context)
-            do_draft = pays | (c["since"] >= c["wait"])
-            res = jax.lax.cond(do_draft, drafted, plain, *ops)
-        else:
-            do_draft = jnp.bool_(True)
-            res = drafted(*ops)
-        tcache, a, bonus, accepted, feats, size, dcache, choice, gains = res
-        if can_skip:  # after a draft: back to short probes if drafting pays, else back off
-            pays_now = drafting_pays(shapes, gains, active, cost, context)
-            wait = jnp.where(
-                do_draft,
-                jnp.where(pays_now, PROBE_MIN, jnp.clip(2 * c["wait"], PROBE_MIN, PROBE_MAX)),
-                c["wait"],
-            )
-            since = jnp.where(do_draft, 0, c["since"] + 1)
-        else:
-            wait, since = c["wait"], c["since"]
-        # Emitted this step: the accepted nodes' tokens, then the bonus; cut after a stop.
+        return c, active, limit, step_key, context
+
+    def commit(c, res, active, drafted_now):
+        """Compact, emit the accepted tokens + bonus (cut after a stop), advance the carry."""
+        tcache, a, bonus, accepted, feats, size, path, dcache, choice, gains = res
+        if drafted_now:  # a plain step has no tree: nothing to move
+            tcache = trees.compact(tcache, path, a)
+        L = c["tcache"].lengths
         j = jnp.arange(k)
         emitted = jnp.where(
             j[None] < a[:, None], jnp.pad(accepted, ((0, 0), (0, 1))), bonus[:, None]
@@ -252,8 +242,13 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         n = c["n"] + count
         done = c["done"] | (active & (stop_at.any(1) | (n >= max_new)))
         L_new = jnp.where(active, L + a + 1, L)
-        expect = jnp.where(active, jnp.where(do_draft, gains[choice], 1.0), 0)
+        # what the drafter expected this step to commit (before stop/limit cuts); a plain
+        # step expects exactly one token
+        expect = jnp.where(active, gains[choice] if drafted_now else 1.0, 0)
+        running = jnp.any(active)  # a step with nothing left to run records nothing
+        i = jnp.where(running, c["step"], max_steps)  # out of range: dropped
         return {
+            **c,
             "tcache": tcache.with_lengths(L_new),
             "dcache": dcache.with_lengths(L_new),
             "last": jnp.where(active, bonus, c["last"]),
@@ -262,17 +257,38 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
             "out": out,
             "n": n,
             "done": done,
-            "taus": c["taus"].at[:, c["step"]].set(count),
-            "sizes": c["sizes"].at[:, c["step"]].set(jnp.where(active, size, 0)),
-            "choices": c["choices"].at[c["step"]].set(choice),
-            # what the drafter expected this step to commit (before stop/limit cuts); a plain
-            # step expects exactly one token
-            "expected": c["expected"].at[:, c["step"]].set(expect),
+            "taus": c["taus"].at[:, i].set(count, mode="drop"),
+            "sizes": c["sizes"].at[:, i].set(jnp.where(active, size, 0), mode="drop"),
+            "choices": c["choices"].at[i].set(choice, mode="drop"),
+            "expected": c["expected"].at[:, i].set(expect, mode="drop"),
             "gains": gains,
-            "wait": wait,
-            "since": since,
-            "step": c["step"] + 1,
+            "step": c["step"] + running.astype(jnp.int32),
         }
+
+    def plain_due(c):
+        """Plain steps continue while drafting does not pay and no probe is due."""
+        _, active, _, _, context = step_inputs(c)
+        pays = drafting_pays(shapes, c["gains"], active, cost, context)
+        return cond(c) & ~pays & (c["since"] < c["wait"])
+
+    def plain_body(c):
+        ops = step_inputs(c)
+        c = commit(c, plain(*ops), ops[1], drafted_now=False)
+        return {**c, "since": c["since"] + 1}
+
+    def body(c):
+        if can_skip:
+            # Plain steps as an inner loop, not a branch: loop-carried caches are updated in
+            # place, while a lax.cond around the target pass makes XLA copy them every step.
+            c = jax.lax.while_loop(plain_due, plain_body, c)
+        ops = step_inputs(c)
+        active, context = ops[1], ops[4]
+        c = commit(c, drafted(*ops), active, drafted_now=True)
+        if can_skip:  # after a draft: back to short probes if drafting pays, else back off
+            pays_now = drafting_pays(shapes, c["gains"], active, cost, context)
+            wait = jnp.where(pays_now, PROBE_MIN, jnp.clip(2 * c["wait"], PROBE_MIN, PROBE_MAX))
+            c = {**c, "wait": wait, "since": jnp.int32(0)}
+        return c
 
     carry = {
         "tcache": tcache, "dcache": dcache, "last": first, "pending": pending, "n_pend": n_pend,
