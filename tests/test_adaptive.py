@@ -87,6 +87,29 @@ def test_fit_recovers_known_coefficients(tmp_path):
         StepCost.load(tmp_path / "bad.json")
 
 
+def test_fit_with_drafted_steps_recovers_the_draft_terms():
+    """Decode-loop rows: AR steps alone and whole speculative steps (draft pass + a tree of
+    n nodes + verify) pin down the drafting overhead and per-node tree cost too."""
+    from kdj.models.drafter import DrafterConfig
+
+    cfg = moonlight()
+    layers = cfg.replace(family="llama", num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64)
+    dcfg = DrafterConfig(layers=layers, block_size=8, mask_token_id=0, target_layer_ids=(1,),
+                         num_target_layers=cfg.num_layers)  # fmt: skip
+    base = StepCost.for_config(cfg).with_drafter(dcfg, 10**8, cfg)
+    truth = dataclasses.replace(base, fixed_s=3e-4, per_byte_s=1 / 2e12, per_flop_s=1 / 3e14,
+                                draft_fixed_s=2e-4, per_node_s=1e-7)  # fmt: skip
+    rows = []
+    for b, c in itertools.product((1, 4, 16, 64, 256), (256, 2048)):
+        rows.append((b, 1, c, float(truth.seconds(b, 1, c)), 0, 0))
+        for t, n in ((8, 0), (17, 16), (65, 64)):  # a chain, trees of 16 and 64 nodes
+            s = truth.seconds(b, t, c) + truth.draft_seconds(b, c, n)
+            rows.append((b, t, c, float(s), 1, n))
+    fitted = base.fit(rows)
+    for name in ("fixed_s", "per_byte_s", "per_flop_s", "draft_fixed_s", "per_node_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-5), name
+
+
 def test_controller_prefers_plain_decoding_when_verify_tokens_are_dear():
     lp = jax.nn.log_softmax(jax.random.normal(jax.random.key(3), (2, 4, 6)) * 3, axis=-1)
     shapes = tuple(DraftShape(*s) for s in (("none",), ("chain", 4), ("tree", 12)))

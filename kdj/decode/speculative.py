@@ -105,7 +105,8 @@ def drafting_pays(shapes, gains, active, cost, context):
     latest draft's gains [S, B]. Returns a bool scalar."""
     B = gains.shape[1]
     total = jnp.sum(jnp.where(active[None], gains, 0.0), axis=1)
-    draft_s = cost.draft_seconds(B, context)
+    built = max([s.size for s in shapes if s.kind == "tree"], default=0)  # the largest tree
+    draft_s = cost.draft_seconds(B, context, built)
     rates = [
         total[i] / (cost.seconds(B, 1 + s.size, context) + draft_s)
         for i, s in enumerate(shapes)
@@ -199,9 +200,9 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
 
     def plain(c, active, limit, step_key, context):
         """A step that skips the drafter: one-token target pass (as plain decoding runs it)
-        that also taps the features the drafter's context takes in."""
+        that also taps the features the drafter's context will take in (plain_body queues
+        them; the drafter itself does not run)."""
         L = c["tcache"].lengths
-        dcache = drafter.add_context(c["pending"], L - c["n_pend"], c["dcache"])
         logits, tcache, taps = target(
             c["last"][:, None], L, c["tcache"], taps=drafter.cfg.target_layer_ids
         )
@@ -210,8 +211,8 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         zero = jnp.zeros((B,), jnp.int32)
         accepted = jnp.zeros((B, k - 1), jnp.int32)
         path = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (B, k))  # nothing to move
-        return (tcache, zero, bonus, accepted, feats, zero, path, dcache, jnp.int32(len(shapes)),
-                c["gains"])  # fmt: skip
+        return (tcache, zero, bonus, accepted, feats, zero, path, c["dcache"],
+                jnp.int32(len(shapes)), c["gains"])  # fmt: skip
 
     def step_inputs(c):
         L = c["tcache"].lengths
@@ -265,22 +266,33 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
             "step": c["step"] + running.astype(jnp.int32),
         }
 
-    def plain_due(c):
-        """Plain steps continue while drafting does not pay and no probe is due."""
+    def draft_due(c):
+        """Draft when the latest forecast says it pays, or when a probe is due."""
         _, active, _, _, context = step_inputs(c)
         pays = drafting_pays(shapes, c["gains"], active, cost, context)
-        return cond(c) & ~pays & (c["since"] < c["wait"])
+        return pays | (c["since"] >= c["wait"])
+
+    def plain_due(c):
+        """Plain steps continue while drafting is not due and the feature queue has room."""
+        return cond(c) & ~draft_due(c) & (jnp.max(c["n_pend"]) < k)
 
     def plain_body(c):
         ops = step_inputs(c)
-        c = commit(c, plain(*ops), ops[1], drafted_now=False)
-        return {**c, "since": c["since"] + 1}
+        active = ops[1]
+        new = commit(c, plain(*ops), active, drafted_now=False)
+        # queue this token's target features behind the pending ones (slots L - n_pend ..)
+        rows = jnp.arange(B)
+        queued = c["pending"].at[rows, c["n_pend"]].set(new["pending"][:, 0], mode="drop")
+        n_pend = jnp.where(active, c["n_pend"] + 1, 0)
+        return {**new, "pending": queued, "n_pend": n_pend, "since": c["since"] + 1}
 
-    def body(c):
-        if can_skip:
-            # Plain steps as an inner loop, not a branch: loop-carried caches are updated in
-            # place, while a lax.cond around the target pass makes XLA copy them every step.
-            c = jax.lax.while_loop(plain_due, plain_body, c)
+    def flush(c):
+        """The drafter's context takes in the queued features (at most k per plain run)."""
+        L = c["tcache"].lengths
+        dcache = drafter.add_context(c["pending"], L - c["n_pend"], c["dcache"])
+        return {**c, "dcache": dcache, "n_pend": jnp.zeros_like(c["n_pend"])}
+
+    def drafted_body(c):
         ops = step_inputs(c)
         active, context = ops[1], ops[4]
         c = commit(c, drafted(*ops), active, drafted_now=True)
@@ -289,6 +301,15 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
             wait = jnp.where(pays_now, PROBE_MIN, jnp.clip(2 * c["wait"], PROBE_MIN, PROBE_MAX))
             c = {**c, "wait": wait, "since": jnp.int32(0)}
         return c
+
+    def body(c):
+        if not can_skip:
+            return drafted_body(c)
+        # Plain and drafting steps as inner loops, not branches: loop-carried caches are
+        # updated in place, while a lax.cond around the target pass makes XLA copy them.
+        c = jax.lax.while_loop(plain_due, plain_body, c)
+        c = flush(c)
+        return jax.lax.while_loop(lambda c: cond(c) & draft_due(c), drafted_body, c)
 
     carry = {
         "tcache": tcache, "dcache": dcache, "last": first, "pending": pending, "n_pend": n_pend,
