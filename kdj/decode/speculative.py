@@ -11,7 +11,9 @@ sits at slot L:
     tree    DFlash: the argmax chain (k - 1 nodes); DDTree: the top-B prefixes of lp
             (kdj/decode/tree.py), B = tree_budget; method "auto": `choose` picks one shape
             of a static menu (plain, chains, trees) per step from the drafter's expected
-            acceptance and a step-cost model, and `lax.switch` runs it
+            acceptance and a step-cost model, and `lax.switch` runs it; while drafting
+            itself is not forecast to pay, steps skip the drafter (plain decoding that
+            queues the target features for the drafter's context)
     verify  target over [last, nodes] at slots L .., positions L + depth, each node seeing the
             past and its ancestors; taps features
     accept  walk from the root along children equal to the target's token (greedy or
@@ -179,8 +181,8 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         return (c["step"] < max_steps) & ~jnp.all(c["done"])
 
     adaptive = len(shapes) > 1
-    none = [i for i, s in enumerate(shapes) if s.kind == "none"]
-    can_skip = adaptive and bool(none)  # "none" on the menu: steps may skip the drafter
+    # "none" on a menu of several: steps may skip the drafter altogether
+    can_skip = adaptive and any(s.kind == "none" for s in shapes)
 
     def drafted(c, active, limit, step_key, context):
         """A step that drafts: draft, pick the menu entry (adaptive), verify it."""
