@@ -131,7 +131,8 @@ def project(steps, roof_ctx, cost, real, shapes, batches, context) -> list[dict]
             T = 1 + shape.size
             measured = (B, T) in steps
             target_s = steps[(B, T)] if measured else float(cost.seconds(B, T, roof_ctx))
-            draft_s = 0.0 if shape.kind == "none" else float(cost.draft_seconds(B, context))
+            nodes = shape.size if shape.kind == "tree" else 0  # the tree the draft builds
+            draft_s = 0.0 if shape.kind == "none" else float(cost.draft_seconds(B, context, nodes))
             step = target_s + draft_s
             tau = 1.0 if name == "ar" else real[name]["tau"]
             methods[name] = {
