@@ -321,7 +321,8 @@ def fit_cost(cfg, rows, args, name, fmt) -> None:
     cost.save(path)
     worst = max(abs(cost.seconds(b, t, c) / s - 1) for b, t, c, s in measured)
     print(f"step cost fitted to {len(measured)} steps (worst relative error {worst:.0%}): "
-          f"fixed {cost.fixed_s * 1e3:.3f} ms, {1e-12 / cost.per_byte_s:.2f} TB/s, "
+          f"fixed {cost.fixed_s * 1e3:.3f} ms, "
+          f"{1e-12 / cost.per_byte_s if cost.per_byte_s else float('inf'):.2f} TB/s, "
           f"{1e-12 / cost.per_flop_s if cost.per_flop_s else float('inf'):.0f} TFLOP/s "
           f"-> {path}")  # fmt: skip
 
