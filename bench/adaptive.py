@@ -56,11 +56,9 @@ def fit_cost(target, drafter, rows, path):
     """kdj.cost.StepCost fitted to this run's decode-loop step times: AR steps (target
     alone) and fixed DFlash/DDTree steps (draft + verify of 1 + nodes tokens). Saved to
     path; generate(method="auto", cost=path) loads it."""
-    import jax as _jax
-
     from kdj.cost import StepCost
 
-    n_params = sum(int(x.size) for x in _jax.tree.leaves(drafter.state))
+    n_params = sum(int(x.size) for x in jax.tree.leaves(drafter.state))
     base = StepCost.for_config(target.cfg).with_drafter(drafter.cfg, n_params, target.cfg)
     k = drafter.cfg.block_size
     data = []

@@ -39,7 +39,8 @@ copy)  # bring one part of the GGUF (and the gguf reader) into $HOME
     --tokens 1 16 17 65 257 --max-tokens 20000 --repeats 3 --out "$OUT/roofline_smollm2.json" \
     --fit-cost "$OUT/cost_smollm2.json"
   quiet python bench/adaptive.py --prompts .traincache/data/eval_prompts.json \
-    --batches 1 16 256 4 64 --budgets 16 64 256 --new 128 --cost "$OUT/cost_smollm2.json" \
+    --batches 1 16 256 4 64 --methods ar dflash ddtree16 ddtree64 ddtree256 auto --new 128 \
+    --cost "$OUT/cost_smollm2.json" \
     --out "$OUT/adaptive_smollm2.json"
   ;;
 4)  # after the copies: the tree-kernel fix (DDTree 256 at batch 1) and auto's plain steps

@@ -162,7 +162,7 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
     def verify(shape, lp, full, tcache, last, limit, step_key):
         """One target pass over root + the shape's tree, acceptance walk and compaction."""
         L = tcache.lengths
-        tree = trees.draft_tree(shape, lp, full, batch=B)
+        tree = trees.draft_tree(shape, lp, full)
         tokens, positions, mask, valid = trees.verify_inputs(tree, last, L, S)
         logits, tcache, taps = target(
             tokens, L, tcache, positions=positions, tree=mask, taps=drafter.cfg.target_layer_ids
@@ -202,27 +202,31 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
 
     def plain(c, active, limit, step_key, context):
         """A step that skips the drafter: one-token target pass (as plain decoding runs it)
-        that also taps the features the drafter's context will take in (plain_body queues
-        them; the drafter itself does not run)."""
+        that also taps the features the drafter's context will take in: feats [B, 1, K*D],
+        which plain_body queues (the drafter itself does not run)."""
         L = c["tcache"].lengths
         logits, tcache, taps = target(
             c["last"][:, None], L, c["tcache"], taps=drafter.cfg.target_layer_ids
         )
         bonus = sample(logits[:, 0], step_key, temperature, top_p, greedy)
-        feats = jnp.pad(_features(taps), ((0, 0), (0, k - 1), (0, 0))).astype(pending.dtype)
+        feats = _features(taps).astype(pending.dtype)
         zero = jnp.zeros((B,), jnp.int32)
         accepted = jnp.zeros((B, k - 1), jnp.int32)
         path = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (B, k))  # nothing to move
         return (tcache, zero, bonus, accepted, feats, zero, path, c["dcache"],
                 jnp.int32(len(shapes)), c["gains"])  # fmt: skip
 
+    def active_context(c):
+        """(active [B], mean committed length of the active sequences)."""
+        L, active = c["tcache"].lengths, ~c["done"]
+        return active, jnp.sum(jnp.where(active, L, 0)) / jnp.maximum(jnp.sum(active), 1)
+
     def step_inputs(c):
         L = c["tcache"].lengths
+        active, context = active_context(c)
         # Commit at most up to the cache end (slots L .. L + a must exist) and the budget.
-        active = ~c["done"]
         limit = jnp.where(active, jnp.maximum(jnp.minimum(S - 1 - L, max_new - c["n"] - 1), 0), 0)
         step_key = jax.random.fold_in(key, c["step"] + 1)
-        context = jnp.sum(jnp.where(active, L, 0)) / jnp.maximum(jnp.sum(active), 1)
         return c, active, limit, step_key, context
 
     def commit(c, res, active, drafted_now):
@@ -270,7 +274,7 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
 
     def draft_due(c):
         """Draft when the latest forecast says it pays, or when a probe is due."""
-        _, active, _, _, context = step_inputs(c)
+        active, context = active_context(c)
         pays = drafting_pays(shapes, c["gains"], active, cost, context)
         return pays | (c["since"] >= c["wait"])
 

@@ -139,15 +139,14 @@ def root_only(batch: int):
     }
 
 
-def draft_tree(shape: DraftShape, lp, full=None, batch=None):
-    """The tree a step verifies for `shape`; lp [B, L, V] (None for "none", which then
-    needs `batch`). `full` (optional) is a build_trees dict of at least shape.size nodes to
-    slice instead of building again."""
+def draft_tree(shape: DraftShape, lp, full=None):
+    """The tree a step verifies for `shape`; lp [B, L, V]. `full` (optional) is a
+    build_trees dict of at least shape.size nodes to slice instead of building again."""
     if shape.kind == "chain":
         return chain_trees(lp[:, : shape.size])
     if shape.kind == "tree":
         return top(full, shape.size) if full is not None else build_trees(lp, shape.size)
-    return root_only(lp.shape[0] if batch is None else batch)
+    return root_only(lp.shape[0])
 
 
 def expected_tokens(shape: DraftShape, tree, lp):
