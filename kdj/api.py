@@ -145,6 +145,9 @@ class Drafter:
     # forecast temperature for method="auto" (kdj.train.calibrate; calibration.json beside
     # the checkpoint), 1.0 = trust the drafter's probabilities as they are
     calibration: float = 1.0
+    # tau its calibration run realised (0: unknown): method="auto"'s forecast before the
+    # first draft, so a batch where drafting cannot pay need not draft to find out
+    prior_acceptance: float = 0.0
 
     @staticmethod
     def from_model(model, name="", mesh=None) -> Drafter:
@@ -166,7 +169,7 @@ def load_drafter(source, target: Target | None = None, dtype=None, mesh=None) ->
     BUILTIN_DRAFTERS). With `target`, check the pair fits (hidden size, vocabulary, feature
     layers) and use the target's dtype."""
     from kdj.checkpoints.dflash import load_drafter_checkpoint
-    from kdj.train.calibrate import load_temperature
+    from kdj.train.calibrate import load_prior, load_temperature
 
     dtype = jnp.dtype(dtype or (target.dtype if target is not None else "bfloat16"))
     path = Path(source)
@@ -181,6 +184,7 @@ def load_drafter(source, target: Target | None = None, dtype=None, mesh=None) ->
         mesh = target.sharding  # the drafter lives on its target's mesh
     drafter = Drafter.from_model(load_drafter_checkpoint(path, dtype), path.name, mesh)
     drafter.calibration = load_temperature(path)
+    drafter.prior_acceptance = load_prior(path)
     if target is not None:
         _check_pair(target, drafter, None)
     return drafter
@@ -365,6 +369,7 @@ def generate(
         drafter = dataclasses.replace(
             Drafter.from_model(drafter.model, drafter.name, sharding),
             calibration=drafter.calibration,
+            prior_acceptance=drafter.prior_acceptance,
         )
     tokenizer = tokenizer or target.tokenizer
     ids = _as_token_lists(target, prompts, tokenizer)
@@ -464,7 +469,9 @@ def generate(
 
 def _timed(prefill, decode):
     """Run prefill() then decode(prefill result) with device syncs between; returns
-    (decode outputs as numpy, prefill seconds, decode seconds)."""
+    (decode outputs as numpy, prefill seconds, decode seconds). decode returns only what the
+    host needs: a final KV cache brought back would cost seconds at large batch (gigabytes
+    through freshly allocated host memory) and is not part of decoding."""
     t0 = time.perf_counter()
     pre = jax.block_until_ready(prefill())
     t1 = time.perf_counter()
@@ -483,9 +490,9 @@ def _run_ar(target, tokens, lens, capacity, max_new, stop, sampling, greedy):
     dec = _compiled(ar.decode_loop, target.graphdef, target.state, cache_spec, first_shape, max_new,
                     stop, key, temp, topp, greedy=greedy, max_steps=int(max_new.max()))  # fmt: skip
     compile_s = time.perf_counter() - t0
-    (out, n_out, steps, _), pre_s, dec_s = _timed(
+    (out, n_out, steps), pre_s, dec_s = _timed(
         lambda: pre(target.state, tokens, lens, cache, key, temp, topp),
-        lambda r: dec(target.state, r[1], r[0], max_new, stop, key, temp, topp),
+        lambda r: dec(target.state, r[1], r[0], max_new, stop, key, temp, topp)[:3],  # no cache
     )
     taus = [[1] * (int(n) - 1) for n in n_out]  # AR: one token per decode step
     return dict(out=out, n_out=n_out, steps=int(steps), taus=taus, compile_s=compile_s,
@@ -526,7 +533,7 @@ def _step_cost(cfg) -> StepCost:
 def _run_speculative(drafter, block_size, shapes, cost, calibration, target, tokens, lens,
                      capacity, max_new, stop, sampling, greedy):  # fmt: skip
     key, temp, topp = sampling["key"], sampling["temperature"], sampling["top_p"]
-    cal = jnp.float32(calibration)
+    cal, prior = jnp.float32(calibration), jnp.float32(drafter.prior_acceptance)
     B = tokens.shape[0]
     tcache = shard_cache(init_cache(target.cfg, B, capacity, target.dtype), target.sharding)
     dcache = shard_cache(
@@ -538,12 +545,13 @@ def _run_speculative(drafter, block_size, shapes, cost, calibration, target, tok
                     topp, greedy=greedy)  # fmt: skip
     first_shape, tspec, dspec = _output_specs(pre, (jnp.zeros((B,), jnp.int32), tcache, dcache))
     dec = _compiled(speculative.decode_loop, tg, ts, dg, ds, tspec, dspec, first_shape, max_new,
-                    stop, key, temp, topp, cal, greedy=greedy, max_steps=int(max_new.max()),
+                    stop, key, temp, topp, cal, prior, greedy=greedy,
+                    max_steps=int(max_new.max()),
                     block_size=block_size, shapes=shapes, cost=cost)  # fmt: skip
     compile_s = time.perf_counter() - t0
-    (out, n_out, taus, sizes, choices, expected, steps, _, _), pre_s, dec_s = _timed(
+    (out, n_out, taus, sizes, choices, expected, steps), pre_s, dec_s = _timed(
         lambda: pre(ts, ds, tokens, lens, tcache, dcache, key, temp, topp),
-        lambda r: dec(ts, ds, r[1], r[2], r[0], max_new, stop, key, temp, topp, cal),
+        lambda r: dec(ts, ds, r[1], r[2], r[0], max_new, stop, key, temp, topp, cal, prior)[:7],
     )
     return dict(out=out, n_out=n_out, steps=int(steps), taus=taus, sizes=sizes, choices=choices,
                 expected=expected, compile_s=compile_s, prefill_s=pre_s,

@@ -127,6 +127,8 @@ def cmd_train_drafter(args) -> int:
         cfg.optim.steps = args.steps
     if args.max_minutes is not None:
         cfg.optim.max_minutes = args.max_minutes
+    if args.init_from is not None:
+        cfg.drafter.init_from = args.init_from or None  # "" trains from random weights
     run_training(cfg)
     return 0
 
@@ -215,6 +217,11 @@ def main(argv=None) -> int:
     t.add_argument("--out-dir", help="override the config's out_dir")
     t.add_argument("--steps", type=int, help="override optim.steps")
     t.add_argument("--max-minutes", type=float, help="stop (checkpoint + export) after this")
+    t.add_argument(
+        "--init-from",
+        help="override drafter.init_from: a DFlash drafter dir or built-in name to continue "
+        'training from ("" for random init)',
+    )
     t.set_defaults(fn=cmd_train_drafter)
     e = sub.add_parser("eval-acceptance", help="tau and speed of DFlash / DDTree vs AR")
     e.add_argument("--drafter", required=True, help="DFlash drafter checkpoint dir")

@@ -11,6 +11,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -244,6 +245,155 @@ def test_export_loads_back_with_kdj(target, tmp_path):
     assert sp.tokens == ar.tokens
 
 
+def bf16(tree):
+    return jax.tree.map(lambda p: np.asarray(jnp.asarray(p, jnp.bfloat16), np.float32), tree)
+
+
+def test_init_from_an_exported_drafter(target, tmp_path):
+    """drafter.init_from: the weights of a published-format drafter (bf16) become the float32
+    masters of a fresh trainer (fresh optimiser, step 0); an out_dir checkpoint wins."""
+    tokens, mask = pattern_data()
+    cfg = tiny_drafter_cfg(target)
+    a = DrafterTrainer(target, cfg, optim(steps=5), tokens, mask, tmp_path / "run")
+    for _ in range(3):
+        a.train_step()
+    path = a.export(tmp_path / "drafter")
+    b = DrafterTrainer(target, cfg, optim(steps=5, seed=7), tokens, mask, init_from=path)
+    got = nnx.to_pure_dict(b.params)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(got))
+    jax.tree.map(np.testing.assert_array_equal, got, bf16(nnx.to_pure_dict(a.params)))
+    assert b.step == 0 and optax.tree.norm(b.opt_state).item() == 0.0  # fresh Adam moments
+    before = b.train_step()["loss"]
+    assert np.isfinite(before)
+    # the continued drafter starts where the exported one was, not from a random init
+    fresh = DrafterTrainer(target, cfg, optim(steps=5, seed=7), tokens, mask)
+    assert before < fresh.train_step()["loss"]
+    # resume takes precedence: a checkpoint in out_dir overrides init_from
+    a.save()
+    c = DrafterTrainer(target, cfg, optim(steps=5), tokens, mask, tmp_path / "run", path)
+    assert c.restore() and c.step == 3
+    jax.tree.map(
+        np.testing.assert_array_equal, nnx.to_pure_dict(c.params), nnx.to_pure_dict(a.params)
+    )
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (dict(num_layers=3), "num_layers: 2 in the checkpoint, 3 configured"),
+        (dict(block_size=8), "block_size: 4 in the checkpoint, 8 configured"),
+        (dict(target_layer_ids=[0, 2]), "target_layer_ids"),
+        (dict(intermediate_size=40), "intermediate_size: 48 in the checkpoint, 40"),
+        (dict(mask_token_id=5), "mask_token_id"),
+    ],
+)
+def test_init_from_a_mismatched_drafter_raises(target, tmp_path, change, field):
+    from kdj.models.drafter import build_drafter
+
+    path = kdj.Drafter.from_model(build_drafter(tiny_drafter_cfg(target), seed=4)).save(tmp_path)
+    shape = dict(num_layers=2, block_size=BLOCK, mask_token_id=VOCAB - 1, intermediate_size=48)
+    cfg = drafter_config_for(target.cfg, DrafterShape(**(shape | change)))
+    tokens, mask = pattern_data()
+    with pytest.raises(ValueError, match="drafter.init_from") as e:
+        DrafterTrainer(target, cfg, optim(), tokens, mask, init_from=path)
+    assert field in str(e.value)
+
+
+def test_init_from_a_drafter_of_another_target(target, tmp_path):
+    """Hidden size is the target's: a drafter made for a wider target cannot be continued."""
+    from kdj.models.drafter import build_drafter
+
+    wide = dataclasses.replace(target.cfg, hidden_size=48)
+    shape = DrafterShape(num_layers=2, block_size=BLOCK, mask_token_id=VOCAB - 1)
+    path = kdj.Drafter.from_model(build_drafter(drafter_config_for(wide, shape))).save(tmp_path)
+    tokens, mask = pattern_data()
+    with pytest.raises(ValueError, match="hidden_size: 48 in the checkpoint, 32 configured"):
+        DrafterTrainer(target, tiny_drafter_cfg(target), optim(), tokens, mask, init_from=path)
+
+
+class CharTokenizer:
+    """Just enough tokenizer for run_training on the tiny target: one id per character."""
+
+    stop_ids = frozenset()
+
+    def apply_chat_template(self, messages):
+        return "".join(m["content"] for m in messages) + "."
+
+    def encode(self, text, allow_special=True):
+        return [1 + ord(c) % (VOCAB - 2) for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(96 + i) for i in ids)
+
+
+def test_run_training_continues_from_a_drafter(target, tmp_path, monkeypatch):
+    """The whole pipeline on the tiny target: cached prompts -> regeneration -> training from
+    drafter.init_from -> export; the starting drafter is evaluated on the same held-out prompts
+    (init_eval), and a time budget already spent trains no step."""
+    from kdj.models.drafter import build_drafter
+    from kdj.train.config import DataConfig, EvalConfig, TrainConfig
+    from kdj.train.loop import run_training
+
+    monkeypatch.setattr(kdj, "load_target", lambda *a, **k: dataclasses.replace(
+        target, tokenizer=CharTokenizer()))  # fmt: skip
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, VOCAB - 1, n).astype(np.int32) for n in (5, 7, 6, 9)]
+    np.savez(
+        data / "prompts.npz",
+        tokens=np.concatenate(prompts),
+        offsets=np.cumsum([0] + [len(p) for p in prompts]),
+        conv_ids=np.arange(4),
+    )
+    (data / "eval_prompts.json").write_text(json.dumps({"sharegpt": ["abc", "defg"]}))
+    start = tiny_drafter_cfg(target)
+    init = kdj.Drafter.from_model(build_drafter(start, seed=5)).save(tmp_path / "init")
+    shape = DrafterShape(num_layers=2, block_size=BLOCK, mask_token_id=VOCAB - 1,
+                         intermediate_size=48, init_from=str(init))  # fmt: skip
+    cfg = TrainConfig(
+        out_dir=str(tmp_path / "run"),
+        drafter=shape,
+        data=DataConfig(
+            max_prompt_tokens=16, max_response_tokens=8, gen_batch_size=2, cache_dir=str(data)
+        ),  # fmt: skip
+        optim=optim(
+            steps=4, batch_size=2, anchors_per_seq=2, max_len=24, log_every=3, ckpt_every=0
+        ),  # fmt: skip
+        eval=EvalConfig(every=2, num_prompts=2, max_new_tokens=4),
+    )
+    logs = []
+    summary = run_training(cfg, log=logs.append)
+    assert summary["steps"] == 4 and summary["init_from"] == str(init)
+    assert summary["init_eval"]["step"] == 0 and summary["final_eval"]["step"] == 4
+    assert [e["step"] for e in summary["evals"]] == [2]
+    assert summary["last_log"]["step"] == 4  # the partial window at the end is logged
+    rows = [json.loads(x) for x in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert rows[0]["eval"]["init_from"] == str(init)
+    assert kdj.load_drafter(tmp_path / "run" / "drafter", target=target).cfg == start
+    assert (data / "regen.json").exists() and len(list(data.glob("shard_*"))) == 2
+
+    cfg.out_dir, cfg.optim.max_minutes = str(tmp_path / "run2"), 0.0
+    summary = run_training(cfg, log=logs.append)
+    assert summary["steps"] == 0 and summary["last_log"] is None
+    assert summary["final_eval"]["tau"] == summary["init_eval"]["tau"]
+
+
+def test_training_configs_parse_and_continue_fits_the_shipped_drafter():
+    """Both SmolLM2 training YAMLs parse; the continue config's drafter section describes the
+    drafter it starts from (checked against the GGUF's config; no weights of the target)."""
+    from kdj.checkpoints.gguf import read_gguf, smollm2_gguf_path
+    from kdj.train.config import TrainConfig
+    from kdj.train.loop import load_init_params
+
+    TrainConfig.from_yaml("configs/train/smollm2-b16.yaml")
+    cfg = TrainConfig.from_yaml("configs/train/smollm2-b16-continue.yaml")
+    assert cfg.drafter.init_from is not None
+    target_cfg = ModelConfig.from_hf(read_gguf(smollm2_gguf_path())[0])
+    params = load_init_params(cfg.drafter.init_from, drafter_config_for(target_cfg, cfg.drafter))
+    assert params["fc"]["kernel"].dtype == jnp.float32
+
+
 def test_block_loss_weights_early_slots(target):
     """Loss = sum(w CE) / sum(w) with w_k = exp(-(k-1)/gamma): check against a direct sum."""
     from kdj.models.drafter import build_drafter
@@ -324,3 +474,41 @@ def test_regeneration_cache_roundtrip(target, tmp_path):
     n_files = len(list(tmp_path.glob("shard_*")))
     regenerate(target, prompts, [7, 8, 9], tmp_path, **kw)  # resumes: nothing to do
     assert len(list(tmp_path.glob("shard_*"))) == n_files == 2
+    # other settings or prompts are refused, not silently served from this cache
+    with pytest.raises(ValueError, match="max_new_tokens: 6 cached, 8 asked"):
+        regenerate(target, prompts, [7, 8, 9], tmp_path, **(kw | dict(max_new_tokens=8)))
+    with pytest.raises(ValueError, match="prompts_sha1"):
+        regenerate(target, [[1, 2, 4], *prompts[1:]], [7, 8, 9], tmp_path, **kw)
+    # greedy: the seed plays no part, so another seed reuses the cache
+    regenerate(target, prompts, [7, 8, 9], tmp_path, **kw, seed=5)
+
+
+def test_regeneration_cache_carried_to_another_folder(target, tmp_path, monkeypatch):
+    """A cache packed up (regen.json + shards) and unpacked elsewhere is reused as it is:
+    regenerate() generates nothing. Shards without regen.json are refused."""
+    import shutil
+    import tarfile
+
+    from kdj.train.data import regenerate
+
+    prompts, conv = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 20], [7, 8, 9]
+    kw = dict(max_new_tokens=5, temperature=0.0, batch_size=2, max_prompt_tokens=32)
+    regenerate(target, prompts, conv, tmp_path / "a", **kw)
+    with tarfile.open(tmp_path / "data.tar.gz", "w:gz") as tar:
+        for f in sorted((tmp_path / "a").iterdir()):
+            tar.add(f, arcname=f.name)
+    with tarfile.open(tmp_path / "data.tar.gz") as tar:
+        tar.extractall(tmp_path / "b", filter="data")
+
+    def no_generation(*a, **k):
+        raise AssertionError("regenerate() generated although every shard was there")
+
+    monkeypatch.setattr(kdj, "generate", no_generation)
+    regenerate(target, prompts, conv, tmp_path / "b", **kw)
+    np.testing.assert_array_equal(
+        load_cache(tmp_path / "a", 40)[0], load_cache(tmp_path / "b", 40)[0]
+    )
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
+    (tmp_path / "c" / "regen.json").unlink()
+    with pytest.raises(ValueError, match="no regen.json"):
+        regenerate(target, prompts, conv, tmp_path / "c", **kw)

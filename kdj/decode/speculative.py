@@ -119,9 +119,20 @@ def drafting_pays(shapes, gains, active, cost, context):
 
 
 # A plain step skips the drafter. While drafting does not pay, the loop still drafts now and
-# then to refresh its forecast: first after PROBE_MIN plain steps, then at doubling intervals
-# up to PROBE_MAX (a few probes per generation, each at most one draft pass of overhead).
-PROBE_MIN, PROBE_MAX = 8, 256
+# then to refresh its forecast (a probe). Probes are spaced so that they cost about
+# PROBE_BUDGET of the decoding time by the cost model (a draft pass is cheap next to a step
+# at batch 1 and dear at batch 256), backing off by doubling after each probe that finds
+# drafting does not pay, within PROBE_MIN .. PROBE_MAX steps.
+PROBE_MIN, PROBE_MAX, PROBE_BUDGET = 8, 256, 0.02
+
+
+def probe_wait(shapes, cost, batch: int, context, wait):
+    """Plain steps until the next probe, after one that found drafting does not pay (wait:
+    the previous interval)."""
+    built = max([s.size for s in shapes if s.kind == "tree"], default=0)
+    ratio = cost.draft_seconds(batch, context, built) / cost.seconds(batch, 1, context)
+    need = jnp.ceil(ratio / PROBE_BUDGET).astype(jnp.int32)
+    return jnp.clip(jnp.maximum(2 * wait, need), PROBE_MIN, PROBE_MAX)
 
 
 @functools.partial(
@@ -130,8 +141,8 @@ PROBE_MIN, PROBE_MAX = 8, 256
     donate_argnames=("tcache", "dcache"),
 )
 def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, stop_ids, key,
-                temperature, top_p, calibration, *, greedy, max_steps, block_size, shapes,
-                cost):  # fmt: skip
+                temperature, top_p, calibration, prior, *, greedy, max_steps, block_size,
+                shapes, cost):  # fmt: skip
     """Speculative generation until every sequence hit a stop token or its own max_new.
 
     shapes: the static menu of trees.DraftShape a step may verify; with one entry every step
@@ -139,7 +150,10 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
     needs `cost`) picks one per step and `lax.switch` runs it. With "none" on a menu of
     several, a step whose draft is not expected to pay (`drafting_pays`, from the latest
     draft's forecast) skips the drafter and decodes plainly; drafting resumes at the next
-    probe (PROBE_MIN .. PROBE_MAX steps) that finds it pays. max_steps = max(max_new).
+    probe (`probe_wait`) that finds it pays. prior: tokens per step the drafter is expected
+    to commit before its first draft (its calibration run's realised tau; 0 = unknown): when
+    it says drafting does not pay, the first step is plain and the first probe comes later,
+    else the first step drafts. max_steps = max(max_new).
     Returns (out [B, max_steps] int32, n_out [B], taus [B, max_steps] (tokens committed per
     step, 0 once finished), sizes [B, max_steps] (draft nodes verified per step), choices
     [max_steps] (index into shapes per step; len(shapes): the drafter was skipped), expected
@@ -200,22 +214,6 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
             res = verify(shapes[0], *args)
         return (*res, dcache, choice.astype(jnp.int32), gains)
 
-    def plain(c, active, limit, step_key, context):
-        """A step that skips the drafter: one-token target pass (as plain decoding runs it)
-        that also taps the features the drafter's context will take in: feats [B, 1, K*D],
-        which plain_body queues (the drafter itself does not run)."""
-        L = c["tcache"].lengths
-        logits, tcache, taps = target(
-            c["last"][:, None], L, c["tcache"], taps=drafter.cfg.target_layer_ids
-        )
-        bonus = sample(logits[:, 0], step_key, temperature, top_p, greedy)
-        feats = _features(taps).astype(pending.dtype)
-        zero = jnp.zeros((B,), jnp.int32)
-        accepted = jnp.zeros((B, k - 1), jnp.int32)
-        path = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (B, k))  # nothing to move
-        return (tcache, zero, bonus, accepted, feats, zero, path, c["dcache"],
-                jnp.int32(len(shapes)), c["gains"])  # fmt: skip
-
     def active_context(c):
         """(active [B], mean committed length of the active sequences)."""
         L, active = c["tcache"].lengths, ~c["done"]
@@ -229,11 +227,10 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         step_key = jax.random.fold_in(key, c["step"] + 1)
         return c, active, limit, step_key, context
 
-    def commit(c, res, active, drafted_now):
+    def commit(c, res, active):
         """Compact, emit the accepted tokens + bonus (cut after a stop), advance the carry."""
         tcache, a, bonus, accepted, feats, size, path, dcache, choice, gains = res
-        if drafted_now:  # a plain step has no tree: nothing to move
-            tcache = trees.compact(tcache, path, a)
+        tcache = trees.compact(tcache, path, a)
         L = c["tcache"].lengths
         j = jnp.arange(k)
         emitted = jnp.where(
@@ -249,9 +246,8 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         n = c["n"] + count
         done = c["done"] | (active & (stop_at.any(1) | (n >= max_new)))
         L_new = jnp.where(active, L + a + 1, L)
-        # what the drafter expected this step to commit (before stop/limit cuts); a plain
-        # step expects exactly one token
-        expect = jnp.where(active, gains[choice] if drafted_now else 1.0, 0)
+        # what the drafter expected this step to commit (before stop/limit cuts)
+        expect = jnp.where(active, gains[choice], 0)
         running = jnp.any(active)  # a step with nothing left to run records nothing
         i = jnp.where(running, c["step"], max_steps)  # out of range: dropped
         return {
@@ -278,53 +274,86 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         pays = drafting_pays(shapes, c["gains"], active, cost, context)
         return pays | (c["since"] >= c["wait"])
 
-    def plain_due(c):
-        """Plain steps continue while drafting is not due and the feature queue has room."""
-        return cond(c) & ~draft_due(c) & (jnp.max(c["n_pend"]) < k)
-
     def plain_body(c):
-        ops = step_inputs(c)
-        active = ops[1]
-        new = commit(c, plain(*ops), active, drafted_now=False)
-        # queue this token's target features behind the pending ones (slots L - n_pend ..)
+        """A step that skips the drafter, as lean as plain decoding's (autoregressive.py): a
+        one-token target pass that also taps the features the drafter's context will take
+        in; they are queued in `pending` (slots L - n_pend ..) until `flush`."""
+        L, active = c["tcache"].lengths, ~c["done"]
+        logits, tcache, taps = target(
+            c["last"][:, None], L, c["tcache"], taps=drafter.cfg.target_layer_ids
+        )
+        step_key = jax.random.fold_in(key, c["step"] + 1)
+        nxt = sample(logits[:, 0], step_key, temperature, top_p, greedy)
         rows = jnp.arange(B)
-        queued = c["pending"].at[rows, c["n_pend"]].set(new["pending"][:, 0], mode="drop")
-        n_pend = jnp.where(active, c["n_pend"] + 1, 0)
-        return {**new, "pending": queued, "n_pend": n_pend, "since": c["since"] + 1}
+        out = c["out"].at[rows, jnp.where(active, c["n"], N)].set(nxt, mode="drop")
+        n = c["n"] + active
+        done = c["done"] | (active & (is_stop(nxt, stop_ids) | (n >= max_new)))
+        feats = _features(taps)[:, 0].astype(pending.dtype)
+        i = jnp.where(jnp.any(active), c["step"], max_steps)  # nothing left: record nothing
+        return {
+            **c,
+            "tcache": tcache.with_lengths(L + active),
+            "last": jnp.where(active, nxt, c["last"]),
+            "pending": c["pending"].at[rows, c["n_pend"]].set(feats, mode="drop"),
+            "n_pend": jnp.where(active, c["n_pend"] + 1, 0),
+            "out": out,
+            "n": n,
+            "done": done,
+            "taus": c["taus"].at[:, i].set(active.astype(jnp.int32), mode="drop"),
+            "choices": c["choices"].at[i].set(len(shapes), mode="drop"),
+            "expected": c["expected"].at[:, i].set(active.astype(jnp.float32), mode="drop"),
+            "step": c["step"] + jnp.any(active).astype(jnp.int32),
+            "since": c["since"] + 1,
+            "left": c["left"] - 1,
+        }
 
     def flush(c):
         """The drafter's context takes in the queued features (at most k per plain run)."""
         L = c["tcache"].lengths
         dcache = drafter.add_context(c["pending"], L - c["n_pend"], c["dcache"])
-        return {**c, "dcache": dcache, "n_pend": jnp.zeros_like(c["n_pend"])}
+        return {**c, "dcache": dcache.with_lengths(L), "n_pend": jnp.zeros_like(c["n_pend"])}
 
     def drafted_body(c):
         ops = step_inputs(c)
         active, context = ops[1], ops[4]
-        c = commit(c, drafted(*ops), active, drafted_now=True)
+        c = commit(c, drafted(*ops), active)
         if can_skip:  # after a draft: back to short probes if drafting pays, else back off
             pays_now = drafting_pays(shapes, c["gains"], active, cost, context)
-            wait = jnp.where(pays_now, PROBE_MIN, jnp.clip(2 * c["wait"], PROBE_MIN, PROBE_MAX))
-            c = {**c, "wait": wait, "since": jnp.int32(0)}
+            later = probe_wait(shapes, cost, B, context, c["wait"])
+            c = {**c, "wait": jnp.where(pays_now, PROBE_MIN, later), "since": jnp.int32(0)}
         return c
 
     def body(c):
         if not can_skip:
             return drafted_body(c)
-        # Plain and drafting steps as inner loops, not branches: loop-carried caches are
+        # The controller decides once per run of plain steps how many to take: none while
+        # drafting pays, else until the next probe or until the feature queue is full. Plain
+        # and drafting steps run as inner loops, not branches: loop-carried caches are
         # updated in place, while a lax.cond around the target pass makes XLA copy them.
-        c = jax.lax.while_loop(plain_due, plain_body, c)
+        active, context = active_context(c)
+        pays = drafting_pays(shapes, c["gains"], active, cost, context)
+        room = k - jnp.max(c["n_pend"])
+        left = jnp.where(pays, 0, jnp.clip(c["wait"] - c["since"], 0, room))
+        c = jax.lax.while_loop(lambda c: cond(c) & (c["left"] > 0), plain_body, {**c, "left": left})
         c = flush(c)
         return jax.lax.while_loop(lambda c: cond(c) & draft_due(c), drafted_body, c)
 
+    # Before any draft: every entry is expected to commit `prior` tokens per step (1 when it
+    # is unknown, and then the first step drafts to find out).
+    gains = jnp.full((len(shapes), B), jnp.where(prior > 0, prior, 1.0), jnp.float32)
+    wait = jnp.int32(0)
+    if can_skip:
+        active = ~done
+        context = jnp.sum(jnp.where(active, tcache.lengths, 0)) / jnp.maximum(jnp.sum(active), 1)
+        doubt = (prior > 0) & ~drafting_pays(shapes, gains, active, cost, context)
+        wait = jnp.where(doubt, probe_wait(shapes, cost, B, context, 0), 0)
     carry = {
         "tcache": tcache, "dcache": dcache, "last": first, "pending": pending, "n_pend": n_pend,
         "out": out, "n": n, "done": done, "taus": taus, "sizes": jnp.zeros_like(taus),
         "choices": jnp.full((max_steps,), -1, jnp.int32),
         "expected": jnp.zeros((B, max_steps), jnp.float32), "step": jnp.int32(0),
-        # the latest draft's expected tokens per menu entry; the first step always drafts
-        "gains": jnp.ones((len(shapes), B), jnp.float32),
-        "wait": jnp.int32(0), "since": jnp.int32(0),
+        "gains": gains,  # the latest draft's expected tokens per menu entry and sequence
+        "wait": wait, "since": jnp.int32(0), "left": jnp.int32(0),
     }  # fmt: skip
     c = jax.lax.while_loop(cond, body, carry)
     return (c["out"], c["n"], c["taus"], c["sizes"], c["choices"], c["expected"], c["step"],

@@ -139,10 +139,16 @@ class ExpertWeight:
 
     def take(self, ids, dtype):
         """Dequantised weights of experts ids [n]: [n, in, *out]. Only those experts are read."""
+        if self.fmt == "float":
+            # No barrier: XLA then reads the selected experts straight into the dot instead
+            # of writing the gathered copy out first. On an H200 this took the Moonlight-shape
+            # batch-1 decode step from 11.0 to 7.8 ms (bench/profile_step.py, BENCHMARKS.md).
+            return self.value[ids]
         scale = None if self.scale is None else self.scale[ids]
-        # The barrier pins the gather first: otherwise XLA hoists the dot's f32 convert (and
-        # the dequantisation) above it and converts EVERY expert each step (on an H200 that
-        # was a 42 GiB f32 copy of Kimi-K2's 384 experts for a one-token step).
+        # The barrier pins the gather before the dequantisation: otherwise XLA hoists the
+        # dequantisation and the dot's f32 convert above it and converts EVERY expert each
+        # step (on an H200 that was a 42 GiB f32 copy of Kimi-K2's 384 experts for a
+        # one-token step).
         value, scale = jax.lax.optimization_barrier((self.value[ids], scale))
         return dequant_stacked(self.fmt, value, scale, dtype)
 

@@ -70,6 +70,7 @@ def calibrate(target, drafter, prompts, *, method="ddtree", tree_budget=16,
         "bias_before": before and before["mean_forecast"] - before["mean_realised"],
         "error_after": best["mean_abs_error"],
         "bias_after": best["mean_forecast"] - best["mean_realised"],
+        "realised_acceptance": best["mean_realised"],  # method="auto"'s prior (load_prior)
         "candidates": rows,
     }
 
@@ -78,6 +79,19 @@ def save(report: dict, drafter_dir) -> Path:
     path = Path(drafter_dir) / FILE
     path.write_text(json.dumps(report, indent=2))
     return path
+
+
+def load_prior(drafter_dir) -> float:
+    """The mean tau the calibration run realised (its method and budget are in the file), 0.0
+    when there is no calibration file."""
+    path = Path(drafter_dir) / FILE
+    if not path.exists():
+        return 0.0
+    data = json.loads(path.read_text())
+    tau = data.get("realised_acceptance")
+    if tau is None and data.get("candidates"):  # files written before the field existed
+        tau = data["candidates"][0]["mean_realised"]
+    return float(tau or 0.0)
 
 
 def load_temperature(drafter_dir) -> float:

@@ -1,8 +1,16 @@
 """Drafter-training configuration: one YAML file (configs/train/*.yaml) -> TrainConfig.
 
-Sections mirror the pipeline: `drafter` (its shape), `data` (prompts + regeneration),
-`train` (optimisation), `eval` (held-out acceptance during training). Unknown keys are errors,
-so a typo cannot silently fall back to a default.
+Sections mirror the pipeline: `drafter` (its shape, and optionally the weights to start
+from), `data` (prompts + regeneration), `optim` (optimisation), `eval` (held-out acceptance
+during training). Unknown keys are errors, so a typo cannot silently fall back to a default.
+
+Continuing a drafter: `drafter.init_from` names an existing drafter in the published DFlash
+format (a directory, or a built-in name such as smollm2-135m-dflash-b16) whose weights replace
+the random initialisation, as float32 masters; the optimiser state and the learning-rate
+schedule start fresh (step 0, warmup included). The shape fields of the section must describe
+that drafter (layers, block size, mask token, feature layers, widths): a mismatch is a
+ValueError naming the field. A checkpoint of the same run in <out_dir>/checkpoints takes
+precedence over init_from (exact resume of the continued run).
 """
 
 from __future__ import annotations
@@ -22,6 +30,9 @@ class DrafterShape:
     num_heads: int | None = None  # None: the target's (GQA heads follow it too)
     num_kv_heads: int | None = None
     head_dim: int | None = None
+    # start from this DFlash drafter's weights (dir or built-in name) instead of random init;
+    # fresh optimiser and schedule; out_dir checkpoints take precedence (see module docstring)
+    init_from: str | None = None
 
 
 @dataclass

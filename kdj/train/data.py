@@ -13,12 +13,17 @@ The cache is a folder of shards `shard_00000.npz`, ... each holding one generati
     prompt_lens [n]     the first prompt_lens[i] tokens of sequence i are the prompt
     conv_ids [n]        ShareGPT conversation index of each sequence
 Finished shards are skipped on restart (resumable); a shard is written to a temporary name
-and renamed, so a killed run never leaves a half shard.
+and renamed, so a killed run never leaves a half shard. regen.json records what the shards
+were generated from (prompts digest, response length, temperature, batch size, seed): a cache
+made with other settings is an error, not silently reused. So a cache folder can be packed
+up (regen.json + shard_*.npz), carried to another machine and unpacked there: regenerate()
+then finds every shard done and skips the generation.
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import importlib.util
 import json
 import unicodedata
@@ -128,6 +133,33 @@ def _chat_prompt_ids(tokenizer, message: str, max_tokens: int) -> list[int]:
         keep -= len(ids) - max_tokens  # re-tokenising at the cut can add a token or two
 
 
+MANIFEST = "regen.json"
+
+
+def _check_manifest(cache_dir: Path, manifest: dict) -> None:
+    """Write cache_dir/regen.json, or check that the one there matches `manifest`."""
+    path = cache_dir / MANIFEST
+    if path.exists():
+        old = json.loads(path.read_text())
+        diff = [
+            f"{k}: {old.get(k)!r} cached, {v!r} asked"
+            for k, v in manifest.items()
+            if old.get(k) != v
+        ]
+        if diff:
+            raise ValueError(
+                f"the data cache {cache_dir} was generated with other settings "
+                f"({'; '.join(diff)}): use another data.cache_dir or delete its shards"
+            )
+        return
+    if any(cache_dir.glob("shard_*[0-9].npz")):
+        raise ValueError(
+            f"the data cache {cache_dir} holds shards but no {MANIFEST}, so what they were "
+            "generated from is unknown: use another data.cache_dir or delete its shards"
+        )
+    path.write_text(json.dumps(manifest, indent=1))
+
+
 def regenerate(
     target,
     prompts: list[list[int]],
@@ -141,7 +173,9 @@ def regenerate(
     max_prompt_tokens: int = 512,
 ) -> Path:
     """Answer every prompt with the target itself (kdj AR generation) and cache prompt +
-    response ids in shards under cache_dir (see the module docstring). Resumable.
+    response ids in shards under cache_dir (see the module docstring). Resumable: shards
+    already there are kept, provided regen.json says they came from the same prompts and
+    settings (else ValueError).
 
     Prompts are sorted by length so a batch wastes little padding. Every batch has exactly
     batch_size real-or-dummy prompts plus one dummy whose length is the batch's 128-multiple
@@ -152,6 +186,19 @@ def regenerate(
 
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha1()
+    for p, c in zip(prompts, conv_ids, strict=True):
+        digest.update(np.asarray([c, len(p), *p], np.int64).tobytes())
+    manifest = {
+        "num_prompts": len(prompts),
+        "prompts_sha1": digest.hexdigest(),
+        "max_new_tokens": int(max_new_tokens),
+        "max_prompt_tokens": int(max_prompt_tokens),
+        "temperature": float(temperature),
+        "batch_size": int(batch_size),
+        "seed": int(seed) if temperature > 0 else None,  # greedy: the seed plays no part
+    }
+    _check_manifest(cache_dir, manifest)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     capacity = -(-(max_prompt_tokens + max_new_tokens) // 128) * 128

@@ -1,6 +1,8 @@
 """The drafter training loop: AdamW with warmup + cosine decay, gradient clipping, float32
 master params with a bfloat16 (configurable) forward, Orbax checkpoints with exact resume,
-periodic held-out acceptance, and export to the published DFlash format.
+periodic held-out acceptance, and export to the published DFlash format. Training can start
+from an existing drafter's weights (drafter.init_from: continue training a shipped drafter
+with a fresh optimiser and schedule).
 
 The target is frozen and only read: its embedding table and lm_head are the drafter's too
 (the drafter owns neither), so nothing of the target enters the optimiser.
@@ -60,6 +62,52 @@ def drafter_config_for(target_cfg, shape: DrafterShape) -> DrafterConfig:
     )
 
 
+def _shape_fields(cfg: DrafterConfig) -> dict:
+    """What must agree between a drafter to start from and the drafter being trained."""
+    lc = cfg.layers
+    return {
+        "num_layers": lc.num_layers,
+        "block_size": cfg.block_size,
+        "mask_token_id": cfg.mask_token_id,
+        "target_layer_ids": tuple(cfg.target_layer_ids),
+        "num_target_layers": cfg.num_target_layers,
+        "hidden_size": lc.hidden_size,
+        "intermediate_size": lc.intermediate_size,
+        "num_heads": lc.num_heads,
+        "num_kv_heads": lc.num_kv_heads,
+        "head_dim": lc.head_dim,
+        "vocab_size": lc.vocab_size,
+        "rope_theta": lc.rope_theta,
+        "layer_types": tuple(cfg.layer_types),
+        "sliding_window": cfg.sliding_window,
+    }
+
+
+def load_init_params(source, drafter_cfg: DrafterConfig) -> dict:
+    """The weights of an existing DFlash drafter (a published-format directory or a built-in
+    name, read by kdj.load_drafter) as a float32 pure dict for a trainer of `drafter_cfg`.
+
+    Raises ValueError naming every field where the checkpoint and `drafter_cfg` disagree
+    (layers, block size, mask token, feature layers, widths, ...); a checkpoint that leaves a
+    field unset (num_target_layers -1, vocab_size 0) is not held to it."""
+    from kdj.api import load_drafter
+
+    loaded = load_drafter(source, dtype=jnp.float32)
+    have, want = _shape_fields(loaded.cfg), _shape_fields(drafter_cfg)
+    unset = {"num_target_layers": -1, "vocab_size": 0}
+    bad = [
+        f"{k}: {have[k]} in the checkpoint, {want[k]} configured"
+        for k in want
+        if have[k] != want[k] and have[k] != unset.get(k, object())
+    ]
+    if bad:
+        raise ValueError(
+            f"drafter.init_from {str(source)!r} does not match the drafter to train "
+            f"(the config's drafter section and the target): {'; '.join(bad)}"
+        )
+    return nnx.to_pure_dict(loaded.state)
+
+
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     warmup = max(1, int(cfg.warmup_frac * cfg.steps))
     schedule = optax.warmup_cosine_decay_schedule(
@@ -110,6 +158,10 @@ class DrafterTrainer:
 
     tokens [N, S] int32 and loss_mask [N, S] bool (True on the response tokens the drafter
     learns to draft) are host arrays; each step takes optim.batch_size rows.
+
+    init_from: an existing DFlash drafter (directory or built-in name) to start from instead
+    of the random initialisation (load_init_params; a shape mismatch is a ValueError). The
+    optimiser and schedule start fresh either way; restore() then overrides both.
     """
 
     def __init__(
@@ -120,11 +172,20 @@ class DrafterTrainer:
         tokens,
         loss_mask,
         out_dir=None,
+        init_from=None,
     ):
         self.target, self.optim, self.cfg = target, optim, drafter_cfg
         self.tokens, self.loss_mask = np.asarray(tokens, np.int32), np.asarray(loss_mask, bool)
         self.out_dir = Path(out_dir) if out_dir is not None else None
         model = build_drafter(drafter_cfg, jnp.float32, seed=optim.seed)
+        if init_from is not None:  # replace the random weights before any sharding
+            state = nnx.state(model)
+            init = load_init_params(init_from, drafter_cfg)
+            want = jax.tree.map(jnp.shape, nnx.to_pure_dict(state))
+            if jax.tree.map(jnp.shape, init) != want:  # the field check should catch it first
+                raise ValueError(f"drafter.init_from {str(init_from)!r}: parameter shapes differ")
+            nnx.replace_by_pure_dict(state, init)
+            nnx.update(model, state)
         if target.sharding is not None:  # the drafter lives on its target's mesh
             from kdj.sharding.apply import shard_model
 
@@ -298,7 +359,11 @@ def chat_prompts(tokenizer, messages, max_tokens: int) -> list[list[int]]:
 
 def run_training(cfg: TrainConfig, log=print) -> dict:
     """Data (prompts -> target responses, cached) -> training (resumable) -> export.
-    Returns a summary dict (also written to <out_dir>/summary.json)."""
+    Returns a summary dict (also written to <out_dir>/summary.json).
+
+    With drafter.init_from, training starts from that drafter's weights, which are first
+    evaluated on the same held-out prompts as the final drafter (summary "init_eval" next to
+    "final_eval"); a checkpoint in <out_dir>/checkpoints still takes precedence."""
     import kdj
     from kdj.train.data import load_cache, regenerate
 
@@ -329,9 +394,8 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     )
 
     dcfg = drafter_config_for(target.cfg, cfg.drafter)
-    trainer = DrafterTrainer(target, dcfg, cfg.optim, tokens, mask, out)
-    if trainer.restore():
-        log(f"resumed from step {trainer.step}")
+    init_from = cfg.drafter.init_from
+    trainer = DrafterTrainer(target, dcfg, cfg.optim, tokens, mask, out, init_from=init_from)
     eval_prompts = chat_prompts(
         tok, evals["sharegpt"][: cfg.eval.num_prompts], cfg.data.max_prompt_tokens
     )
@@ -342,18 +406,37 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
         )
         return dict(r, step=trainer.step)
 
-    history, evals_done = [], []
     log_path = out / "train_log.jsonl"
+    init_eval = None
+    if init_from is not None:
+        # The starting drafter on the same held-out prompts (before any resume): the baseline
+        # the continued drafter is judged against, and the eval program compiled once.
+        init_eval = dict(evaluate(), init_from=init_from)
+        with log_path.open("a") as logf:
+            logf.write(json.dumps({"eval": init_eval}) + "\n")
+        log(f"initialised from {init_from}: held-out tau {init_eval['tau']:.2f}")
+    if trainer.restore():
+        log(f"resumed from step {trainer.step}")
+
+    history, evals_done = [], []
     t_train = time.perf_counter()
     o = cfg.optim
     bar = tqdm(total=o.steps, initial=trainer.step, desc="training drafter", unit="step")
     window = []
+
+    def over_budget() -> bool:  # max_minutes counts from the start of run_training
+        return o.max_minutes is not None and (time.perf_counter() - t_start) / 60 > o.max_minutes
+
     with log_path.open("a") as logf:
         while trainer.step < o.steps:
+            if over_budget():  # checked before a step: regeneration may have used it all
+                log(f"time budget of {o.max_minutes} min reached at step {trainer.step}")
+                break
             m = trainer.train_step()
             window.append(m)
             bar.update(1)
-            if trainer.step % o.log_every == 0 or trainer.step == o.steps:
+            last = trainer.step == o.steps or over_budget()  # log the final partial window
+            if trainer.step % o.log_every == 0 or last:
                 avg = {k: float(np.mean([w[k] for w in window])) for k in window[0]}
                 avg.update(step=trainer.step, elapsed_s=time.perf_counter() - t_train)
                 window = []
@@ -368,10 +451,6 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
                 log(f"step {trainer.step}: held-out tau {e['tau']:.2f}")
             if o.ckpt_every and trainer.step % o.ckpt_every == 0:
                 trainer.save()
-            minutes = (time.perf_counter() - t_start) / 60
-            if o.max_minutes is not None and minutes > o.max_minutes:
-                log(f"time budget of {o.max_minutes} min reached at step {trainer.step}")
-                break
     bar.close()
     train_s = time.perf_counter() - t_train
     trainer.save()
@@ -384,14 +463,17 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
         "regeneration_s": gen_s,
         "train_s": train_s,
         "final_eval": final,
+        "init_from": init_from,
+        "init_eval": init_eval,
         "evals": evals_done,
         "first_log": history[0] if history else None,
         "last_log": history[-1] if history else None,
         "drafter": str(path),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    base = f" (init_from {init_eval['tau']:.2f})" if init_eval is not None else ""
     log(
-        f"done: {trainer.step} steps in {train_s:.0f} s; held-out tau {final['tau']:.2f}; "
+        f"done: {trainer.step} steps in {train_s:.0f} s; held-out tau {final['tau']:.2f}{base}; "
         f"drafter at {path}"
     )
     return summary
