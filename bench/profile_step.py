@@ -7,7 +7,10 @@ A case is MODEL:BATCH:METHOD. MODEL: a configs/models name or YAML path (random 
 kdj.load_target takes. METHOD: "ar", kdj's on-device decode loop (what kdj.generate(method="ar")
 runs), --steps steps after an untraced prefill of --context random tokens; "step", the one-step
 forward bench/roofline.py times, --steps calls queued back to back; "step-static", that step
-jitted with the graphdef static and synced after every call (roofline.py's old timing). A case
+jitted with the graphdef static and synced after every call (roofline.py's old timing);
+"auto-skip", method="auto"'s decode loop with a random 4-layer block-16 drafter and no probe
+(every step skips the drafter: the plain path the controller takes where drafting does not
+pay), to set against "ar". A case
 runs to compile, timed, then under jax.profiler.trace. Device events (GPU: kernels on the
 /device:GPU streams; CPU: XLA thunks on tf_XLA* threads) are summed by name and category, with
 busy time and kernels per step and the heaviest Python frames; JSON is saved after each case.
@@ -38,6 +41,7 @@ from roofline import CONFIGS, filled_cache, make_forward, model_config  # bench/
 import kdj
 from kdj.cache import init_cache
 from kdj.decode import autoregressive as ar
+from kdj.decode import speculative
 from kdj.models.transformer import build_model
 
 CATEGORIES = (  # (category, pattern): first match on the lower-cased kernel name wins
@@ -151,6 +155,52 @@ def ar_case(target, B, context, steps, rng):
     return prepare, run
 
 
+def auto_skip_case(target, B, context, steps, rng):
+    """(prepare, run) of method="auto"'s loop whose every step skips the drafter: a random
+    4-layer, block-16 drafter at the target's width, the default menu, a prior of 1 token per
+    step and a draft pass priced at 1 s, so the first probe is PROBE_MAX steps away."""
+    import dataclasses
+
+    from kdj.cost import StepCost
+    from kdj.train.config import DrafterShape
+    from kdj.train.loop import drafter_config_for
+
+    cfg = target.cfg
+    n = min(4, cfg.num_layers)
+    ids = None if cfg.num_layers > 4 else list(range(n))  # a tiny test target: its layers
+    shape = DrafterShape(num_layers=n, block_size=16, mask_token_id=0, target_layer_ids=ids)
+    dcfg = drafter_config_for(cfg, shape)
+    drafter = kdj.Drafter.from_model(kdj.models.drafter.build_drafter(dcfg, target.dtype))
+    n_params = sum(int(x.size) for x in jax.tree.leaves(drafter.state))
+    cost = StepCost.for_config(cfg).with_drafter(dcfg, n_params, cfg)
+    cost = dataclasses.replace(cost, draft_fixed_s=1.0)  # never pays, probes PROBE_MAX apart
+    shapes = kdj.api._menu("auto", None, 16, None)
+    if steps >= speculative.PROBE_MAX:
+        raise ValueError(f"auto-skip profiles fewer than {speculative.PROBE_MAX} steps")
+    tg, ts, dg, ds = target.graphdef, target.state, drafter.graphdef, drafter.state
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, context)), jnp.int32)
+    lens = jnp.full((B,), context, jnp.int32)
+    stop, max_new = jnp.full((B, 1), -1, jnp.int32), jnp.full((B,), steps + 1, jnp.int32)
+    key, temp, top_p, one = jax.random.key(0), jnp.float32(1e-6), jnp.float32(1.0), jnp.float32(1)
+    capacity = -(-(context + steps + 17) // 128) * 128
+
+    def prepare():
+        tcache = init_cache(cfg, B, capacity, target.dtype)
+        dcache = init_cache(dcfg.layers, B, capacity, target.dtype)
+        pre = speculative.prefill(tg, ts, dg, ds, tokens, lens, tcache, dcache, key, temp, top_p,
+                                  greedy=True)  # fmt: skip
+        return jax.block_until_ready(pre)
+
+    def run(pre):
+        out = speculative.decode_loop(tg, ts, dg, ds, pre[1], pre[2], pre[0], max_new, stop, key,
+                                      temp, top_p, one, one, greedy=True, max_steps=steps + 1,
+                                      block_size=16, shapes=shapes, cost=cost)  # fmt: skip
+        choices = np.asarray(out[4])[: int(out[6])]
+        assert int(out[6]) == steps and (choices == len(shapes)).all(), "a step drafted"
+
+    return prepare, run
+
+
 def step_case(target, B, context, steps, rng, static: bool):
     cfg, g, s = target.cfg, target.graphdef, target.state
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, 1)), jnp.int32)
@@ -179,8 +229,8 @@ def step_case(target, B, context, steps, rng, static: bool):
 def profile_case(spec: str, args, targets: dict, trace_root: Path) -> dict:
     name, batch, method = spec.rsplit(":", 2)
     B, steps, ctx = int(batch), args.steps, args.context
-    if method not in ("ar", "step", "step-static"):
-        raise ValueError(f"{spec}: the method must be ar, step or step-static")
+    if method not in ("ar", "auto-skip", "step", "step-static"):
+        raise ValueError(f"{spec}: the method must be ar, auto-skip, step or step-static")
     if name not in targets:  # a config (random weights) or anything kdj.load_target takes
         targets.clear()  # one model in memory at a time
         if name.endswith((".yaml", ".yml")) or (CONFIGS / f"{name}.yaml").exists():
@@ -191,6 +241,8 @@ def profile_case(spec: str, args, targets: dict, trace_root: Path) -> dict:
     target, rng = targets[name], np.random.default_rng(B)
     if method == "ar":
         prepare, run = ar_case(target, B, ctx, steps, rng)
+    elif method == "auto-skip":
+        prepare, run = auto_skip_case(target, B, ctx, steps, rng)
     else:
         prepare, run = step_case(target, B, ctx, steps, rng, method == "step-static")
     trace_dir, seconds = trace_root / re.sub(r"[^\w.-]+", "_", spec), []

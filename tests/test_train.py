@@ -512,3 +512,221 @@ def test_regeneration_cache_carried_to_another_folder(target, tmp_path, monkeypa
     (tmp_path / "c" / "regen.json").unlink()
     with pytest.raises(ValueError, match="no regen.json"):
         regenerate(target, prompts, conv, tmp_path / "c", **kw)
+
+
+# ------------------------------------------------------------------ more data: turns, samples
+class RoleTokenizer:
+    """A chat template that shows roles: "u:text|a:text|" ... then "a:"; one token per
+    character (its code point), so decode(encode(text)) == text. For prompt building only."""
+
+    def apply_chat_template(self, messages):
+        return "".join(f"{m['role'][0]}:{m['content']}|" for m in messages) + "a:"
+
+    def encode(self, text, allow_special=True):
+        return [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def test_all_turns_keep_history_and_drop_the_oldest_messages():
+    from kdj.train.data import chat_history_prompt_ids, chat_prompt_ids, conversation_turns
+
+    tok = RoleTokenizer()
+    conv = {
+        "conversations": [
+            {"from": "system", "value": "BANNER"},  # share-site banner: left out
+            {"from": "human", "value": "AAAA"},
+            {"from": "gpt", "value": "BB"},
+            {"from": "human", "value": "   "},  # empty: no turn, no history
+            {"from": "human", "value": "CC"},
+            {"from": "gpt", "value": "DDDD"},
+            {"from": "human", "value": "E"},
+        ]
+    }
+    turns = conversation_turns(conv)
+    assert [m for _, m in turns] == ["AAAA", "CC", "E"]  # one prompt per non-empty user turn
+    history, msg = turns[2]
+    assert [(h["role"], h["content"]) for h in history] == [
+        ("user", "AAAA"), ("assistant", "BB"), ("user", "CC"), ("assistant", "DDDD")
+    ]  # fmt: skip
+
+    def prompt(i, limit):
+        ids = chat_history_prompt_ids(tok, *turns[i], limit)
+        return None if ids is None else tok.decode(ids)
+
+    # the first turn (no history) is exactly the turns=first prompt
+    for limit in (64, 5):
+        assert chat_history_prompt_ids(tok, *turns[0], limit) == chat_prompt_ids(tok, "AAAA", limit)
+    full = "u:AAAA|a:BB|u:CC|a:DDDD|u:E|a:"  # 30 tokens
+    assert prompt(2, 64) == prompt(2, 30) == full
+    # one token short: the oldest message goes, whole; then the next oldest, ...
+    assert prompt(2, 29) == prompt(2, 23) == "a:BB|u:CC|a:DDDD|u:E|a:"
+    assert prompt(2, 22) == prompt(2, 18) == "u:CC|a:DDDD|u:E|a:"
+    assert prompt(2, 17) == "a:DDDD|u:E|a:"
+    assert prompt(2, 12) == "u:E|a:"  # no room for any history: the message alone
+    # a message that alone is too long is cut, as the first-turn path cuts it, without history
+    assert prompt(1, 7) == tok.decode(chat_prompt_ids(tok, "CC", 7)) == "u:C|a:"
+    for limit in range(6, 40):
+        for i in range(3):
+            assert len(chat_history_prompt_ids(tok, *turns[i], limit)) <= limit
+
+
+def write_multiturn_sharegpt(path, n_complete):
+    """n_complete multi-turn conversations (conversation i has 1 + i % 3 user turns) plus a
+    cut-off tail, like the shipped file."""
+    convs = []
+    for i in range(n_complete + 1):
+        msgs = []
+        for t in range(1 + i % 3):
+            msgs += [{"from": "human", "value": f"q{i}.{t}"}, {"from": "gpt", "value": f"r{t}"}]
+        convs.append({"id": f"c{i}", "conversations": msgs})
+    text = "[\n" + ",\n".join(json.dumps(c) for c in convs) + "\n]"
+    path.write_text(text[: text.rindex('"q') + 3])
+    return sum(1 + i % 3 for i in range(min(n_complete, 16_000)))
+
+
+def data_cfg(tmp_path, sharegpt, **data):
+    from kdj.train.config import DataConfig, TrainConfig
+
+    base = dict(sharegpt=str(sharegpt), max_prompt_tokens=64, cache_dir=str(tmp_path / "d"))
+    return TrainConfig(out_dir=str(tmp_path / "run"), data=DataConfig(**(base | data)))
+
+
+def test_all_turns_keep_the_split_rule(tmp_path):
+    """turns=all: one prompt per user turn of conversations 0..15,999 only; the held-out
+    conversations (>= 16,000) never become training prompts, and their texts never appear."""
+    from kdj.train.data import sharegpt_train_turns
+    from kdj.train.loop import prepare_prompts
+
+    path = tmp_path / "sharegpt.json"
+    n_turns = write_multiturn_sharegpt(path, 16_006)
+    turns = sharegpt_train_turns(path)
+    assert len(turns) == n_turns and max(i for i, _, _ in turns) == 15_999
+    with pytest.raises(ValueError, match="split rule"):
+        sharegpt_train_turns(path, 16_001)
+    tok = RoleTokenizer()
+    prompts, conv, evals = prepare_prompts(data_cfg(tmp_path, path, turns="all"), tok)
+    assert len(prompts) == n_turns and max(conv) == 15_999
+    assert np.bincount(conv).tolist() == [1 + i % 3 for i in range(16_000)]
+    assert evals["sharegpt_conv_ids"][0] == 16_000
+    # conversation 5 has 3 turns: the third sees the first two and their answers
+    third = [p for p, c in zip(prompts, conv) if c == 5][2]
+    assert third == tok.encode("u:q5.0|a:r0|u:q5.1|a:r1|u:q5.2|a:")
+    text = "\n".join(tok.decode(p) for p in prompts)
+    assert "q15999.0" in text and not any(f"q{i}." in text for i in range(16_000, 16_007))
+    # a smaller num_conversations keeps to it
+    few = data_cfg(tmp_path, path, turns="all", num_conversations=10, cache_dir=str(tmp_path / "e"))
+    assert max(prepare_prompts(few, tok)[1]) == 9
+
+
+def test_cached_prompts_record_their_settings(tmp_path):
+    """prompts.npz records turns / max_prompt_tokens / num_conversations: asking for other
+    settings is a clear error; a file from before the record counts as turns=first."""
+    from kdj.train.loop import prepare_prompts
+
+    path = tmp_path / "sharegpt.json"
+    write_multiturn_sharegpt(path, 40)
+    tok = RoleTokenizer()
+    first, conv_first, _ = prepare_prompts(data_cfg(tmp_path, path), tok)
+    assert len(first) == 40 and conv_first == list(range(40))
+    again = prepare_prompts(data_cfg(tmp_path, path), tok)[0]  # served from the cache
+    assert again == first
+    with pytest.raises(ValueError, match="turns: 'first' cached, 'all' asked"):
+        prepare_prompts(data_cfg(tmp_path, path, turns="all"), tok)
+    with pytest.raises(ValueError, match="max_prompt_tokens: 64 cached, 32 asked"):
+        prepare_prompts(data_cfg(tmp_path, path, max_prompt_tokens=32), tok)
+    # a prompts.npz without settings (as in caches made before they were recorded)
+    npz = tmp_path / "d" / "prompts.npz"
+    with np.load(npz) as z:
+        arrays = {k: z[k] for k in z.files if k != "settings"}
+    np.savez(npz, **arrays)
+    assert prepare_prompts(data_cfg(tmp_path, path), tok)[0] == first
+    with pytest.raises(ValueError, match="without recorded settings"):
+        prepare_prompts(data_cfg(tmp_path, path, turns="all"), tok)
+    # deleted, it is made again with the new settings, the first turns among the prompts
+    npz.unlink()
+    all_turns, conv_all, _ = prepare_prompts(data_cfg(tmp_path, path, turns="all"), tok)
+    assert len(all_turns) == sum(1 + i % 3 for i in range(40))
+    firsts = [p for i, (p, c) in enumerate(zip(all_turns, conv_all)) if conv_all.index(c) == i]
+    assert firsts == first
+
+
+def responses_by_prompt(cache_dir):
+    from kdj.train.data import load_cache
+
+    out = {}
+    for shard in sorted(cache_dir.glob("shard_*[0-9].npz")):
+        with np.load(shard) as z:
+            for i, (p, k) in enumerate(zip(z["prompt_index"], z["sample"])):
+                seq = z["tokens"][z["offsets"][i] : z["offsets"][i + 1]]
+                out[int(p), int(k)] = tuple(seq[z["prompt_lens"][i] :].tolist())
+    assert len(out) == len(load_cache(cache_dir, 64)[0])
+    return out
+
+
+def test_samples_per_prompt(target, tmp_path):
+    """N sampled responses per prompt: distinct, each with its own seed, reproducible from
+    the seed; the first pass is what N = 1 generates."""
+    from kdj.train.data import regenerate
+
+    prompts, conv = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 20], [7, 7, 9]
+    kw = dict(max_new_tokens=8, temperature=1.0, batch_size=2, max_prompt_tokens=32, seed=3)
+    regenerate(target, prompts, conv, tmp_path / "a", samples_per_prompt=3, **kw)
+    a = responses_by_prompt(tmp_path / "a")
+    assert sorted(a) == [(p, k) for p in range(3) for k in range(3)]
+    for p in range(3):
+        assert len({a[p, k] for k in range(3)}) == 3, [a[p, k] for k in range(3)]
+    assert len(list((tmp_path / "a").glob("shard_*"))) == 3 * 2  # 3 passes of 2 batches
+    _, _, conv_ids = load_cache(tmp_path / "a", 64)
+    assert sorted(conv_ids.tolist()) == sorted(conv * 3)
+    regenerate(target, prompts, conv, tmp_path / "b", samples_per_prompt=3, **kw)
+    assert responses_by_prompt(tmp_path / "b") == a  # deterministic from the seed
+    regenerate(target, prompts, conv, tmp_path / "c", **kw)  # N = 1: the first pass
+    assert responses_by_prompt(tmp_path / "c") == {k: v for k, v in a.items() if k[1] == 0}
+    regenerate(target, prompts, conv, tmp_path / "d", samples_per_prompt=3, **(kw | dict(seed=4)))
+    assert responses_by_prompt(tmp_path / "d") != a  # another seed, other samples
+    # the cache records N (and turns): other settings are refused
+    with pytest.raises(ValueError, match="samples_per_prompt: 3 cached, 2 asked"):
+        regenerate(target, prompts, conv, tmp_path / "a", samples_per_prompt=2, **kw)
+    with pytest.raises(ValueError, match="turns: 'first' cached, 'all' asked"):
+        regenerate(target, prompts, conv, tmp_path / "a", samples_per_prompt=3, turns="all", **kw)
+    regenerate(target, prompts, conv, tmp_path / "a", samples_per_prompt=3, **kw)  # resumes
+
+
+def test_regen_json_without_the_new_settings_is_the_default(target, tmp_path, monkeypatch):
+    """A regen.json written before turns / samples_per_prompt were recorded (the carried
+    caches of the shipped runs) is reused as turns=first, one sample per prompt."""
+    from kdj.train.data import regenerate
+
+    prompts, conv = [[1, 2, 3], [4, 5, 6, 7, 8]], [0, 1]
+    kw = dict(max_new_tokens=4, temperature=0.0, batch_size=2, max_prompt_tokens=32)
+    regenerate(target, prompts, conv, tmp_path, **kw)
+    manifest = json.loads((tmp_path / "regen.json").read_text())
+    for key in ("turns", "samples_per_prompt"):
+        del manifest[key]
+    (tmp_path / "regen.json").write_text(json.dumps(manifest))
+    monkeypatch.setattr(kdj, "generate", None)  # nothing may be generated
+    regenerate(target, prompts, conv, tmp_path, **kw)
+    with pytest.raises(ValueError, match="turns: 'first' cached, 'all' asked"):
+        regenerate(target, prompts, conv, tmp_path, turns="all", **kw)
+
+
+def test_samples_per_prompt_needs_sampling(target, tmp_path):
+    from kdj.train.config import DataConfig, TrainConfig
+    from kdj.train.data import regenerate
+
+    with pytest.raises(ValueError, match="samples_per_prompt 2 needs data.temperature > 0"):
+        DataConfig(samples_per_prompt=2)
+    with pytest.raises(ValueError, match="samples_per_prompt 2 needs data.temperature > 0"):
+        TrainConfig.from_dict({"data": {"samples_per_prompt": 2, "temperature": 0.0}})
+    with pytest.raises(ValueError, match="needs temperature > 0"):
+        regenerate(target, [[1, 2]], [0], tmp_path, max_new_tokens=2, temperature=0.0,
+                   batch_size=1, samples_per_prompt=2)  # fmt: skip
+    assert not list(tmp_path.iterdir())  # refused before anything was written
+    with pytest.raises(ValueError, match="data.turns must be one of"):
+        DataConfig(turns="every")
+    with pytest.raises(ValueError, match="positive integer"):
+        DataConfig(samples_per_prompt=0, temperature=1.0)
+    d = DataConfig(samples_per_prompt=2, temperature=0.7, turns="all")
+    assert (d.turns, d.samples_per_prompt) == ("all", 2)

