@@ -386,8 +386,14 @@ def test_training_configs_parse_and_continue_fits_the_shipped_drafter():
     from kdj.train.config import TrainConfig
     from kdj.train.loop import load_init_params
 
-    TrainConfig.from_yaml("configs/train/smollm2-b16.yaml")
+    first = TrainConfig.from_yaml("configs/train/smollm2-b16.yaml")
     cfg = TrainConfig.from_yaml("configs/train/smollm2-b16-continue.yaml")
+    more = TrainConfig.from_yaml("configs/train/smollm2-b16-more-data.yaml")
+    for c in (first, cfg):  # the shipped runs: one greedy response to each first turn
+        assert (c.data.turns, c.data.samples_per_prompt, c.data.temperature) == ("first", 1, 0)
+    assert (more.data.turns, more.data.samples_per_prompt) == ("all", 2)
+    assert more.data.temperature > 0 and more.data.max_response_tokens == 256
+    assert more.drafter == cfg.drafter  # continues the same shipped drafter
     assert cfg.drafter.init_from is not None
     target_cfg = ModelConfig.from_hf(read_gguf(smollm2_gguf_path())[0])
     params = load_init_params(cfg.drafter.init_from, drafter_config_for(target_cfg, cfg.drafter))
@@ -566,7 +572,7 @@ def test_all_turns_keep_history_and_drop_the_oldest_messages():
     assert prompt(2, 17) == "a:DDDD|u:E|a:"
     assert prompt(2, 12) == "u:E|a:"  # no room for any history: the message alone
     # a message that alone is too long is cut, as the first-turn path cuts it, without history
-    assert prompt(1, 7) == tok.decode(chat_prompt_ids(tok, "CC", 7)) == "u:C|a:"
+    assert prompt(1, 6) == tok.decode(chat_prompt_ids(tok, "CC", 6)) == "u:C|a:"
     for limit in range(6, 40):
         for i in range(3):
             assert len(chat_history_prompt_ids(tok, *turns[i], limit)) <= limit
@@ -730,3 +736,30 @@ def test_samples_per_prompt_needs_sampling(target, tmp_path):
         DataConfig(samples_per_prompt=0, temperature=1.0)
     d = DataConfig(samples_per_prompt=2, temperature=0.7, turns="all")
     assert (d.turns, d.samples_per_prompt) == ("all", 2)
+
+
+def test_run_training_passes_the_data_options(target, tmp_path, monkeypatch):
+    """run_training builds turns=all prompts and hands turns and samples_per_prompt to
+    regenerate (stopped there: the rest of the pipeline is the test above)."""
+    import kdj.train.data as data
+    from kdj.train.loop import run_training
+
+    monkeypatch.setattr(kdj, "load_target", lambda *a, **k: dataclasses.replace(
+        target, tokenizer=RoleTokenizer()))  # fmt: skip
+    path = tmp_path / "sharegpt.json"
+    write_multiturn_sharegpt(path, 30)
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_regenerate(target, prompts, conv_ids, cache_dir, **kw):
+        seen.update(kw, prompts=prompts, conv_ids=conv_ids)
+        raise Stop
+
+    monkeypatch.setattr(data, "regenerate", fake_regenerate)
+    cfg = data_cfg(tmp_path, path, turns="all", samples_per_prompt=3, temperature=0.5)
+    with pytest.raises(Stop):
+        run_training(cfg, log=lambda *_: None)
+    assert seen["turns"] == "all" and seen["samples_per_prompt"] == 3
+    assert seen["temperature"] == 0.5 and len(seen["prompts"]) == sum(1 + i % 3 for i in range(30))
