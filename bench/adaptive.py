@@ -154,6 +154,7 @@ def plot(rows, path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    rows = sorted(rows, key=lambda r: r["batch"])  # measured in any order, drawn by batch
     batches = [r["batch"] for r in rows]
     for n in rows[0]["methods"]:
         tps = [r["methods"][n]["tokens_per_s"] for r in rows]
