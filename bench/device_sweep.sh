@@ -8,6 +8,7 @@
 #   stage 1: DDTree/DFlash/AR step time, Qwen3-8B shape (random weights and drafter)
 #   stage 2: Moonlight-shape target step times + step-cost fit (for bench/project_auto.py)
 #   moe:     routed-expert formulations for a handful of tokens (bench/expert_gather.py)
+#   skip:    profiles of the auto loop's plain steps against AR (bench/profile_step.py)
 #   fit (after the copies; carry .traincache/data/eval_prompts.json): the real pair's fixed
 #            methods at batches 1/16/256 and the step cost fitted to their decode loops
 #   stage 3 (likewise): auto with the committed fitted cost vs AR, DFlash and DDTree 16 at
@@ -40,6 +41,11 @@ moe)  # no GGUF needed: the routed-expert formulations at the Moonlight shape
     --out "$OUT/expert_gather.json"
   quiet python bench/profile_step.py --cases moonlight-16b-a3b:1:ar moonlight-16b-a3b:16:ar \
     --context 512 --steps 32 --out "$OUT/profile_moonlight.json"
+  ;;
+skip)  # no GGUF needed: auto's plain steps against AR (issue 6's remaining gap)
+  quiet python bench/profile_step.py --cases smollm2-135m:256:ar smollm2-135m:256:auto-skip \
+    smollm2-135m:1:ar smollm2-135m:1:auto-skip --context 512 --steps 64 \
+    --out "$OUT/profile_auto_skip.json"
   ;;
 fit)  # after the copies: fixed methods of the real pair at batches 1 16 256, and the step
       # cost fitted to their decode loops (configs/costs/smollm2-135m-instruct_h200.json)
