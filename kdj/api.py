@@ -169,7 +169,7 @@ def load_drafter(source, target: Target | None = None, dtype=None, mesh=None) ->
     BUILTIN_DRAFTERS). With `target`, check the pair fits (hidden size, vocabulary, feature
     layers) and use the target's dtype."""
     from kdj.checkpoints.dflash import load_drafter_checkpoint
-    from kdj.train.calibrate import load_prior, load_temperature
+    from kdj.train import calibrate
 
     dtype = jnp.dtype(dtype or (target.dtype if target is not None else "bfloat16"))
     path = Path(source)
@@ -183,8 +183,7 @@ def load_drafter(source, target: Target | None = None, dtype=None, mesh=None) ->
     if mesh is None and target is not None:
         mesh = target.sharding  # the drafter lives on its target's mesh
     drafter = Drafter.from_model(load_drafter_checkpoint(path, dtype), path.name, mesh)
-    drafter.calibration = load_temperature(path)
-    drafter.prior_acceptance = load_prior(path)
+    drafter.calibration, drafter.prior_acceptance = calibrate.load(path)
     if target is not None:
         _check_pair(target, drafter, None)
     return drafter

@@ -101,14 +101,24 @@ def choose(shapes, gains, active, cost, context):
     return jnp.argmax(total / seconds)
 
 
+def largest_tree(shapes) -> int:
+    """Nodes of the menu's largest tree (0 without one): what a drafting step builds, since
+    every smaller tree of the menu is its first nodes."""
+    return max([s.size for s in shapes if s.kind == "tree"], default=0)
+
+
+def mean_context(lengths, active):
+    """Mean committed length [] of the active sequences (lengths [B], active [B])."""
+    return jnp.sum(jnp.where(active, lengths, 0)) / jnp.maximum(jnp.sum(active), 1)
+
+
 def drafting_pays(shapes, gains, active, cost, context):
     """Whether a step that drafts (draft pass + the best verify of the menu) is expected to
     commit more tokens per second than a plain step that skips the drafter, judged from the
     latest draft's gains [S, B]. Returns a bool scalar."""
     B = gains.shape[1]
     total = jnp.sum(jnp.where(active[None], gains, 0.0), axis=1)
-    built = max([s.size for s in shapes if s.kind == "tree"], default=0)  # the largest tree
-    draft_s = cost.draft_seconds(B, context, built)
+    draft_s = cost.draft_seconds(B, context, largest_tree(shapes))
     rates = [
         total[i] / (cost.seconds(B, 1 + s.size, context) + draft_s)
         for i, s in enumerate(shapes)
@@ -129,8 +139,9 @@ PROBE_MIN, PROBE_MAX, PROBE_BUDGET = 8, 256, 0.02
 def probe_wait(shapes, cost, batch: int, context, wait):
     """Plain steps until the next probe, after one that found drafting does not pay (wait:
     the previous interval)."""
-    built = max([s.size for s in shapes if s.kind == "tree"], default=0)
-    ratio = cost.draft_seconds(batch, context, built) / cost.seconds(batch, 1, context)
+    ratio = cost.draft_seconds(batch, context, largest_tree(shapes)) / cost.seconds(
+        batch, 1, context
+    )
     need = jnp.ceil(ratio / PROBE_BUDGET).astype(jnp.int32)
     return jnp.clip(jnp.maximum(2 * wait, need), PROBE_MIN, PROBE_MAX)
 
@@ -171,7 +182,7 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
     taus = jnp.zeros((B, max_steps), jnp.int32)
     pending = jnp.zeros((B, k, D), tcache.k[0].dtype)
     n_pend = jnp.zeros((B,), jnp.int32)
-    trees_in_menu = [s.size for s in shapes if s.kind == "tree"]
+    built = largest_tree(shapes)
 
     def verify(shape, lp, full, tcache, last, limit, step_key):
         """One target pass over root + the shape's tree, acceptance walk and compaction."""
@@ -202,7 +213,7 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         """A step that drafts: draft, pick the menu entry (adaptive), verify it."""
         lp, dcache = draft(target, drafter, c["dcache"], c["last"], c["pending"], c["n_pend"], k)
         # one build of the menu's largest tree; smaller trees are its first nodes
-        full = trees.build_trees(lp, max(trees_in_menu)) if trees_in_menu else None
+        full = trees.build_trees(lp, built) if built else None
         args = (lp, full, c["tcache"], c["last"], limit, step_key)
         gains = expected(shapes, lp, full, calibration)  # [S, B]
         if adaptive:
@@ -216,8 +227,8 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
 
     def active_context(c):
         """(active [B], mean committed length of the active sequences)."""
-        L, active = c["tcache"].lengths, ~c["done"]
-        return active, jnp.sum(jnp.where(active, L, 0)) / jnp.maximum(jnp.sum(active), 1)
+        active = ~c["done"]
+        return active, mean_context(c["tcache"].lengths, active)
 
     def step_inputs(c):
         L = c["tcache"].lengths
@@ -275,7 +286,7 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         return pays | (c["since"] >= c["wait"])
 
     def plain_body(c):
-        """A step that skips the drafter, as lean as plain decoding's (autoregressive.py): a
+        """A step that skips the drafter, built like plain decoding's (autoregressive.py): a
         one-token target pass that also taps the features the drafter's context will take
         in; they are queued in `pending` (slots L - n_pend ..) until `flush`."""
         L, active = c["tcache"].lengths, ~c["done"]
@@ -344,7 +355,7 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
     wait = jnp.int32(0)
     if can_skip:
         active = ~done
-        context = jnp.sum(jnp.where(active, tcache.lengths, 0)) / jnp.maximum(jnp.sum(active), 1)
+        context = mean_context(tcache.lengths, active)
         doubt = (prior > 0) & ~drafting_pays(shapes, gains, active, cost, context)
         wait = jnp.where(doubt, probe_wait(shapes, cost, B, context, 0), 0)
     carry = {

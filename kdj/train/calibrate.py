@@ -70,7 +70,7 @@ def calibrate(target, drafter, prompts, *, method="ddtree", tree_budget=16,
         "bias_before": before and before["mean_forecast"] - before["mean_realised"],
         "error_after": best["mean_abs_error"],
         "bias_after": best["mean_forecast"] - best["mean_realised"],
-        "realised_acceptance": best["mean_realised"],  # method="auto"'s prior (load_prior)
+        "realised_acceptance": best["mean_realised"],  # method="auto"'s prior (load)
         "candidates": rows,
     }
 
@@ -81,25 +81,18 @@ def save(report: dict, drafter_dir) -> Path:
     return path
 
 
-def load_prior(drafter_dir) -> float:
-    """The mean tau the calibration run realised (its method and budget are in the file), 0.0
-    when there is no calibration file."""
+def load(drafter_dir) -> tuple[float, float]:
+    """(forecast temperature, prior tau) saved beside a drafter: the fitted temperature (1.0
+    when there is no calibration file) and the mean tau the calibration run realised (its
+    method and budget are in the file; 0.0 = unknown)."""
     path = Path(drafter_dir) / FILE
     if not path.exists():
-        return 0.0
+        return 1.0, 0.0
     data = json.loads(path.read_text())
+    t = float(data["temperature"])
+    if not t > 0:
+        raise ValueError(f"{path}: temperature must be positive (got {t})")
     tau = data.get("realised_acceptance")
     if tau is None and data.get("candidates"):  # files written before the field existed
         tau = data["candidates"][0]["mean_realised"]
-    return float(tau or 0.0)
-
-
-def load_temperature(drafter_dir) -> float:
-    """The fitted forecast temperature saved beside a drafter, 1.0 when there is none."""
-    path = Path(drafter_dir) / FILE
-    if not path.exists():
-        return 1.0
-    t = float(json.loads(path.read_text())["temperature"])
-    if not t > 0:
-        raise ValueError(f"{path}: temperature must be positive (got {t})")
-    return t
+    return t, float(tau or 0.0)

@@ -229,17 +229,20 @@ MANIFEST = "regen.json"
 _MANIFEST_DEFAULTS = {"turns": "first", "samples_per_prompt": 1}
 
 
+def settings_diff(cached: dict, asked: dict) -> list[str]:
+    """'key: cached cached, asked asked' for every setting of `asked` that `cached` does not
+    share (what a cache-mismatch error lists)."""
+    return [f"{k}: {cached.get(k)!r} cached, {v!r} asked" for k, v in asked.items()
+            if cached.get(k) != v]  # fmt: skip
+
+
 def _check_manifest(cache_dir: Path, manifest: dict) -> None:
     """Write cache_dir/regen.json, or check that the one there matches `manifest`."""
     path = cache_dir / MANIFEST
     if path.exists():
         old = json.loads(path.read_text())
         old = {k: old.get(k, _MANIFEST_DEFAULTS.get(k)) for k in {*old, *manifest}}
-        diff = [
-            f"{k}: {old.get(k)!r} cached, {v!r} asked"
-            for k, v in manifest.items()
-            if old.get(k) != v
-        ]
+        diff = settings_diff(old, manifest)
         if diff:
             raise ValueError(
                 f"the data cache {cache_dir} was generated with other settings "

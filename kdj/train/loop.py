@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from kdj.models.drafter import DrafterConfig, build_drafter, default_target_layer_ids
 from kdj.train.config import DrafterShape, OptimConfig, TrainConfig
+from kdj.train.data import settings_diff
 from kdj.train.forward import block_loss, sample_anchors, target_features
 
 
@@ -331,11 +332,7 @@ def _check_prompt_settings(npz: Path, cached: dict | None, asked: dict) -> None:
             f"turns: 'first' (a file without recorded settings) cached, {asked['turns']!r} asked"
         ]
     else:
-        diff = [
-            f"{k}: {cached.get(k)!r} cached, {v!r} asked"
-            for k, v in asked.items()
-            if cached.get(k) != v
-        ]
+        diff = settings_diff(cached, asked)
     if diff:
         raise ValueError(
             f"the training prompts {npz} were made with other data settings ({'; '.join(diff)}): "
