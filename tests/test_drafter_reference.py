@@ -54,7 +54,7 @@ def test_two_draft_steps_match_reference(name, tol, tmp_path):
         np.testing.assert_array_equal(logits.argmax(-1), ref[p + "draft_tokens"])
         n = ctx_pos[-1] + 1  # the reference's cache after cropping holds positions 0 .. n-1
         for layer in range(drafter.cfg.layers.num_layers):
-            k = np.asarray(cache.k[layer])[0, :n].transpose(1, 0, 2)  # -> [KVH, n, hd]
-            v = np.asarray(cache.v[layer])[0, :n].transpose(1, 0, 2)
+            k = np.asarray(cache.k[layer])[0, :, :n]  # [KVH, n, hd], as the reference keeps it
+            v = np.asarray(cache.v[layer])[0, :, :n]
             np.testing.assert_allclose(k, ref[p + "cache_k_after_crop"][layer], atol=tol, rtol=tol)
             np.testing.assert_allclose(v, ref[p + "cache_v_after_crop"][layer], atol=tol, rtol=tol)

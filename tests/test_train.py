@@ -380,7 +380,7 @@ def test_run_training_continues_from_a_drafter(target, tmp_path, monkeypatch):
 
 
 def test_training_configs_parse_and_continue_fits_the_shipped_drafter():
-    """Both SmolLM2 training YAMLs parse; the continue config's drafter section describes the
+    """The SmolLM2 training YAMLs parse; the continue config's drafter section describes the
     drafter it starts from (checked against the GGUF's config; no weights of the target)."""
     from kdj.checkpoints.gguf import read_gguf, smollm2_gguf_path
     from kdj.train.config import TrainConfig
@@ -389,6 +389,10 @@ def test_training_configs_parse_and_continue_fits_the_shipped_drafter():
     first = TrainConfig.from_yaml("configs/train/smollm2-b16.yaml")
     cfg = TrainConfig.from_yaml("configs/train/smollm2-b16-continue.yaml")
     more = TrainConfig.from_yaml("configs/train/smollm2-b16-more-data.yaml")
+    turns = TrainConfig.from_yaml("configs/train/smollm2-b16-all-turns.yaml")
+    assert turns.data.turns == "all" and turns.data.samples_per_prompt == 1
+    assert turns.data.temperature == 0  # greedy, as the held-out evaluation
+    assert turns.drafter == cfg.drafter
     for c in (first, cfg):  # the shipped runs: one greedy response to each first turn
         assert (c.data.turns, c.data.samples_per_prompt, c.data.temperature) == ("first", 1, 0)
     assert (more.data.turns, more.data.samples_per_prompt) == ("all", 2)

@@ -126,7 +126,7 @@ def test_tree_verify_and_compaction_equal_plain_decoding_of_the_path(target):
     empty = init_cache(target.cfg, 1, S, jnp.float32)
     plain_logits, plain, _ = model(seq, jnp.zeros((1,), jnp.int32), empty)
     for got, want in zip(cache.k + cache.v, plain.k + plain.v):
-        np.testing.assert_allclose(got[:, :n], want[:, :n], atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(got[:, :, :n], want[:, :, :n], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(
         logits[0, jnp.asarray(path)], plain_logits[0, 5:], atol=1e-4, rtol=1e-4
     )

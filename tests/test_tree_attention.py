@@ -55,7 +55,7 @@ def inputs(seed, B, T, H, KVH, dk, dv, dtype, extra=37):
     start[0] = extra  # one row with the longest prefix, one likely short
     S = extra + T + 3
     n = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)  # noqa: E731
-    q, k, v = n(B, T, H, dk), n(B, S, KVH, dk), n(B, S, KVH, dv)
+    q, k, v = n(B, T, H, dk), n(B, KVH, S, dk), n(B, KVH, S, dv)  # caches [B, KVH, S, D]
     return rng, q, k, v, jnp.asarray(start)
 
 
@@ -136,11 +136,11 @@ def test_fully_masked_row_is_finite():
 
 
 def test_supported_shapes():
-    assert supported((1, 17, 32, 128), (1, 99, 8, 128), 128, latent=False)
-    assert supported((1, 17, 128, 576), (1, 99, 1, 576), 512, latent=True)
-    assert not supported((1, 17, 12, 20), (1, 99, 4, 20), 20, latent=False)  # 20 = 16 + 4
-    assert not supported((1, 17, 12, 64), (1, 99, 5, 64), 64, latent=False)  # H % KVH
-    assert not supported((1, 17, 16, 96), (1, 99, 1, 96), 48, latent=True)  # V not 1st piece
+    assert supported((1, 17, 32, 128), (1, 8, 99, 128), 128, latent=False)
+    assert supported((1, 17, 128, 576), (1, 1, 99, 576), 512, latent=True)
+    assert not supported((1, 17, 12, 20), (1, 4, 99, 20), 20, latent=False)  # 20 = 16 + 4
+    assert not supported((1, 17, 12, 64), (1, 5, 99, 64), 64, latent=False)  # H % KVH
+    assert not supported((1, 17, 16, 96), (1, 1, 99, 96), 48, latent=True)  # V not 1st piece
 
 
 def test_tree_cut_at_the_cache_end():
@@ -150,8 +150,8 @@ def test_tree_cut_at_the_cache_end():
     in interpret mode too when the kernel's last block runs past S."""
     B, T, H, KVH, hd = 2, 40, 4, 2, 32
     rng, q, k, v, _ = inputs(11, B, T, H, KVH, hd, hd, jnp.float32, extra=50)
-    S = k.shape[1] - T + 25  # the cache ends 25 slots into the tree
-    k, v = k[:, :S], v[:, :S]
+    S = k.shape[2] - T + 25  # the cache ends 25 slots into the tree
+    k, v = k[:, :, :S], v[:, :, :S]
     start = jnp.asarray([50, 40], jnp.int32)
     valid = np.arange(T)[None, :] < (S - np.asarray(start))[:, None]  # slots start + i < S
     tree = np.array(random_trees(rng, B, T)) & valid[:, :, None] & valid[:, None, :]

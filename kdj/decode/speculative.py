@@ -135,6 +135,27 @@ def drafting_pays(shapes, gains, active, cost, context):
 # drafting does not pay, within PROBE_MIN .. PROBE_MAX steps.
 PROBE_MIN, PROBE_MAX, PROBE_BUDGET = 8, 256, 0.02
 
+# Plain steps queue the target features the drafter's context will need; a run of plain
+# steps ends when the queue is full (or a probe is due), and the run's end costs host round
+# trips on the GPU (leaving one while loop, the flush, the outer loop's and the draft loop's
+# predicates, entering the next): ~1 ms each on the H200 at batch 4 (BENCHMARKS.md, run e).
+# A queue of QUEUE_BLOCKS blocks makes runs that long. Memory: B x QUEUE_BLOCKS x k x the
+# drafter's feature width (SmolLM2 at batch 256: 4 x 16 x 2304 bf16 = 75 MB).
+QUEUE_BLOCKS = 4
+
+# The drafter's forecast, even recalibrated on held-out data, can be biased on the prompts at
+# hand (on the H200, run d: DDTree 16 at batch 1 forecast 0.71 accepted drafts per step and
+# got 0.84, so the controller judged a 1.08x win a loss). The loop therefore scales the
+# forecast's drafts (gain - 1; the bonus token is certain) by realised / forecast drafts of
+# its own drafted steps so far, starting from HITS_PRIOR pseudo-drafts at ratio 1.
+HITS_PRIOR = 4.0
+
+
+def corrected(gains, hits):
+    """gains [S, B] with the forecast drafts scaled by hits = [realised, forecast] drafts
+    summed over this run's drafted steps (each started at HITS_PRIOR)."""
+    return 1.0 + (gains - 1.0) * (hits[0] / hits[1])
+
 
 def probe_wait(shapes, cost, batch: int, context, wait):
     """Plain steps until the next probe, after one that found drafting does not pay (wait:
@@ -180,9 +201,14 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
     n = jnp.ones((B,), jnp.int32)
     done = is_stop(first, stop_ids) | (n >= max_new)
     taus = jnp.zeros((B, max_steps), jnp.int32)
-    pending = jnp.zeros((B, k, D), tcache.k[0].dtype)
+    adaptive = len(shapes) > 1
+    # "none" on a menu of several: steps may skip the drafter altogether
+    can_skip = adaptive and any(s.kind == "none" for s in shapes)
+    # the feature queue: k slots for a drafted step's accepted nodes, more for plain runs
+    pending = jnp.zeros((B, k * (QUEUE_BLOCKS if can_skip else 1), D), tcache.k[0].dtype)
     n_pend = jnp.zeros((B,), jnp.int32)
     built = largest_tree(shapes)
+    most_nodes = max(0 if s.kind == "none" else s.size for s in shapes)
 
     def verify(shape, lp, full, tcache, last, limit, step_key):
         """One target pass over root + the shape's tree, acceptance walk and compaction."""
@@ -205,17 +231,16 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
     def cond(c):
         return (c["step"] < max_steps) & ~jnp.all(c["done"])
 
-    adaptive = len(shapes) > 1
-    # "none" on a menu of several: steps may skip the drafter altogether
-    can_skip = adaptive and any(s.kind == "none" for s in shapes)
-
     def drafted(c, active, limit, step_key, context):
         """A step that drafts: draft, pick the menu entry (adaptive), verify it."""
-        lp, dcache = draft(target, drafter, c["dcache"], c["last"], c["pending"], c["n_pend"], k)
+        # n_pend <= k here: a plain run ends with a flush, a drafted step queues its a + 1
+        queued = c["pending"][:, :k]
+        lp, dcache = draft(target, drafter, c["dcache"], c["last"], queued, c["n_pend"], k)
         # one build of the menu's largest tree; smaller trees are its first nodes
         full = trees.build_trees(lp, built) if built else None
         args = (lp, full, c["tcache"], c["last"], limit, step_key)
-        gains = expected(shapes, lp, full, calibration)  # [S, B]
+        raw = expected(shapes, lp, full, calibration)  # [S, B]
+        gains = corrected(raw, c["hits"])
         if adaptive:
             choice = choose(shapes, gains, active, cost, context)
             branches = [functools.partial(verify, shape) for shape in shapes]
@@ -223,24 +248,27 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         else:
             choice = jnp.int32(0)
             res = verify(shapes[0], *args)
-        return (*res, dcache, choice.astype(jnp.int32), gains)
+        return (*res, dcache, choice.astype(jnp.int32), gains, raw)
 
     def active_context(c):
         """(active [B], mean committed length of the active sequences)."""
         active = ~c["done"]
         return active, mean_context(c["tcache"].lengths, active)
 
-    def step_inputs(c):
+    def step_limit(c, active):
+        """Drafts a step may accept [B]: up to the cache end (slots L .. L + a must exist) and
+        the token budget."""
         L = c["tcache"].lengths
+        return jnp.where(active, jnp.maximum(jnp.minimum(S - 1 - L, max_new - c["n"] - 1), 0), 0)
+
+    def step_inputs(c):
         active, context = active_context(c)
-        # Commit at most up to the cache end (slots L .. L + a must exist) and the budget.
-        limit = jnp.where(active, jnp.maximum(jnp.minimum(S - 1 - L, max_new - c["n"] - 1), 0), 0)
         step_key = jax.random.fold_in(key, c["step"] + 1)
-        return c, active, limit, step_key, context
+        return c, active, step_limit(c, active), step_key, context
 
     def commit(c, res, active):
         """Compact, emit the accepted tokens + bonus (cut after a stop), advance the carry."""
-        tcache, a, bonus, accepted, feats, size, path, dcache, choice, gains = res
+        tcache, a, bonus, accepted, feats, size, path, dcache, choice, gains, raw = res
         tcache = trees.compact(tcache, path, a)
         L = c["tcache"].lengths
         j = jnp.arange(k)
@@ -258,7 +286,13 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         done = c["done"] | (active & (stop_at.any(1) | (n >= max_new)))
         L_new = jnp.where(active, L + a + 1, L)
         # what the drafter expected this step to commit (before stop/limit cuts)
-        expect = jnp.where(active, gains[choice], 0)
+        expect = jnp.where(active, raw[choice], 0)
+        # the forecast's bias: rows whose limit could cut the walk short, or whose tree could
+        # lose nodes at the cache end (verify_inputs), do not count
+        full_walk = active & (step_limit(c, active) >= k - 1) & (L + 1 + most_nodes <= S)
+        hits = c["hits"] + jnp.stack(
+            [jnp.sum(jnp.where(full_walk, a, 0)), jnp.sum(jnp.where(full_walk, raw[choice] - 1, 0))]
+        ).astype(jnp.float32)
         running = jnp.any(active)  # a step with nothing left to run records nothing
         i = jnp.where(running, c["step"], max_steps)  # out of range: dropped
         return {
@@ -266,7 +300,7 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
             "tcache": tcache.with_lengths(L_new),
             "dcache": dcache.with_lengths(L_new),
             "last": jnp.where(active, bonus, c["last"]),
-            "pending": feats,
+            "pending": c["pending"].at[:, :k].set(feats),
             "n_pend": jnp.where(active, a + 1, 0),
             "out": out,
             "n": n,
@@ -276,6 +310,7 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
             "choices": c["choices"].at[i].set(choice, mode="drop"),
             "expected": c["expected"].at[:, i].set(expect, mode="drop"),
             "gains": gains,
+            "hits": hits,
             "step": c["step"] + running.astype(jnp.int32),
         }
 
@@ -319,7 +354,8 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         }
 
     def flush(c):
-        """The drafter's context takes in the queued features (at most k per plain run)."""
+        """The drafter's context takes in the queued features (a plain run's, and before them
+        the last drafted step's)."""
         L = c["tcache"].lengths
         dcache = drafter.add_context(c["pending"], L - c["n_pend"], c["dcache"])
         return {**c, "dcache": dcache.with_lengths(L), "n_pend": jnp.zeros_like(c["n_pend"])}
@@ -343,7 +379,7 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         # updated in place, while a lax.cond around the target pass makes XLA copy them.
         active, context = active_context(c)
         pays = drafting_pays(shapes, c["gains"], active, cost, context)
-        room = k - jnp.max(c["n_pend"])
+        room = c["pending"].shape[1] - jnp.max(c["n_pend"])
         left = jnp.where(pays, 0, jnp.clip(c["wait"] - c["since"], 0, room))
         c = jax.lax.while_loop(lambda c: cond(c) & (c["left"] > 0), plain_body, {**c, "left": left})
         c = flush(c)
@@ -364,6 +400,7 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         "choices": jnp.full((max_steps,), -1, jnp.int32),
         "expected": jnp.zeros((B, max_steps), jnp.float32), "step": jnp.int32(0),
         "gains": gains,  # the latest draft's expected tokens per menu entry and sequence
+        "hits": jnp.full((2,), HITS_PRIOR, jnp.float32),  # realised, forecast drafts (corrected)
         "wait": wait, "since": jnp.int32(0), "left": jnp.int32(0),
     }  # fmt: skip
     c = jax.lax.while_loop(cond, body, carry)

@@ -60,7 +60,7 @@ class MLAAttention(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x, positions, start, tree, k_cache, v_cache):
-        """x [B, T, D] at RoPE positions [B, T]; writes k_cache [B, S, 1, C + R] at slots
+        """x [B, T, D] at RoPE positions [B, T]; writes k_cache [B, 1, S, C + R] at slots
         start .. start + T - 1 (v_cache unused, None); attends under (start, tree).
         Returns (out [B, T, D], k_cache, v_cache)."""
         cfg = self.cfg

@@ -95,7 +95,7 @@ class DrafterAttention(nnx.Module):
         q = self.q_norm(self.q(x).reshape(B, b, H, hd))
         q = apply_rope(q, positions, inv_freq, amp, interleaved=False)
         kb, vb = self.keys_values(x, positions)
-        slot = jnp.arange(k_cache.shape[1])[None, None, :]  # context slot = its position
+        slot = jnp.arange(k_cache.shape[2])[None, None, :]  # context slot = its position
         ctx_ok = slot < ctx_len[:, None, None]
         blk_ok = jnp.ones((B, b, b), bool)
         if window is not None:
@@ -108,14 +108,16 @@ class DrafterAttention(nnx.Module):
         G = H // KVH
         qg = q.reshape(B, b, KVH, G, hd)
 
-        def scores(keys, ok):
-            s = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32)
+        def scores(spec, keys, ok):
+            s = jnp.einsum(spec, qg, keys, preferred_element_type=jnp.float32)
             return jnp.where(ok[:, None, None], s * softmax_scale(cfg), NEG_INF)
 
-        s = jnp.concatenate([scores(k_cache, ctx_ok), scores(kb.astype(k_cache.dtype), blk_ok)], -1)
+        s_ctx = scores("btkgd,bksd->bkgts", k_cache, ctx_ok)  # cache [B, KVH, S, hd]
+        s_blk = scores("btkgd,bskd->bkgts", kb.astype(k_cache.dtype), blk_ok)  # [B, b, KVH, hd]
+        s = jnp.concatenate([s_ctx, s_blk], -1)
         p = jax.nn.softmax(s, axis=-1).astype(v_cache.dtype)
-        S = k_cache.shape[1]
-        out = jnp.einsum("bkgts,bskd->btkgd", p[..., :S], v_cache)
+        S = k_cache.shape[2]
+        out = jnp.einsum("bkgts,bksd->btkgd", p[..., :S], v_cache)
         out = out + jnp.einsum("bkgts,bskd->btkgd", p[..., S:], vb.astype(v_cache.dtype))
         out = out.reshape(B, b, H * hd)
         return self.o(out)

@@ -188,26 +188,27 @@ def dense_mask(start, tree, capacity: int) -> jax.Array:
 def reference_attention(q, k, v, start, tree, scale: float):
     """Masked attention in plain XLA: the CPU path and the kernels' test oracle.
 
-    q [B, T, H, Dk]; k [B, S, KVH, Dk]; v [B, S, KVH, Dv]; start [B] int32; tree [B, T, T]
+    q [B, T, H, Dk]; k [B, KVH, S, Dk]; v [B, KVH, S, Dv]; start [B] int32; tree [B, T, T]
     bool. H is a multiple of KVH (GQA; MLA's absorbed form is KVH = 1). Returns [B, T, H, Dv].
     """
     B, T, H, Dk = q.shape
-    KVH = k.shape[2]
-    mask = dense_mask(start, tree, k.shape[1])
+    KVH = k.shape[1]
+    mask = dense_mask(start, tree, k.shape[2])
     q = q.reshape(B, T, KVH, H // KVH, Dk)
-    s = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
     s = jnp.where(mask[:, None, None], s, NEG_INF)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    o = jnp.einsum("bkgts,bskd->btkgd", p, v)
+    o = jnp.einsum("bkgts,bksd->btkgd", p, v)
     return o.reshape(B, T, H, v.shape[-1])
 
 
 def attend(q, k, v, start, tree, scale: float):
     """GQA attention of T new queries over the cache (see the mask form above).
 
-    On GPU: the Pallas kernel for T > 1 (1.4-2.6x faster than the reference on the H200,
-    bench/results/tree_attention.json); plain decode (T = 1) and shapes the kernel does not
-    take stay on the XLA reference, which is as fast there. Decided at trace time.
+    On GPU: the Pallas kernel for T > 1 (1.5-2.4x faster than the reference on the H200,
+    bench/results/tree_attention_heads_major_2026-11-29.json); plain decode (T = 1) and shapes
+    the kernel does not take stay on the XLA reference, which is as fast there up to ~8K of
+    context (faster at 1K). Decided at trace time.
     """
     T = q.shape[1]
     if (
@@ -220,16 +221,16 @@ def attend(q, k, v, start, tree, scale: float):
 
 
 def attend_latent(q, kv, start, tree, scale: float, v_dim: int):
-    """MLA absorbed attention: q [B, T, H, C + R] over one shared stream kv [B, S, 1, C + R]
+    """MLA absorbed attention: q [B, T, H, C + R] over one shared stream kv [B, 1, S, C + R]
     whose first v_dim = C columns are also the values. Returns [B, T, H, C].
 
     On GPU the Pallas kernel runs where it measured no slower than the reference: plain
-    decode (T = 1) over a capacity S >= 16K (9 % faster at 32K; XLA is ahead at 1K-8K), and
+    decode (T = 1) over a capacity S >= 16K (17 % faster at 32K; XLA is ahead at 1K-8K), and
     T * H >= 32768 (e.g. T >= 256 at H = 128), where it also avoids the reference's
     [T, H, S] f32 score tensor (34 GB at T = 2048, H = 128, S = 32K). Between those the
     reference's large matmuls win (1.3x at T = 17). Decided at trace time.
     """
-    T, H, S = q.shape[1], q.shape[2], kv.shape[1]
+    T, H, S = q.shape[1], q.shape[2], kv.shape[2]
     if (
         jax.default_backend() == "gpu"
         and ((T == 1 and S >= 16384) or T * H >= 32768)

@@ -41,7 +41,7 @@ class GQAAttention(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x, positions, start, tree, k_cache, v_cache):
-        """x [B, T, D] at RoPE positions [B, T]; writes K/V into the caches [B, S, KVH, hd] at
+        """x [B, T, D] at RoPE positions [B, T]; writes K/V into the caches [B, KVH, S, hd] at
         slots start .. start + T - 1 and attends under (start, tree) (kdj/models/layers.py).
         Returns (out [B, T, D], k_cache, v_cache)."""
         B, T, _ = x.shape

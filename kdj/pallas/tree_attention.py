@@ -22,18 +22,21 @@ Backend: Pallas with the Triton lowering (``jax.experimental.pallas.triton``).
     jax-triton are not on the GPU machine, which takes no installs.
   * Triton wants power-of-two tiles, so the 576-wide MLA head is loaded as 512 + 64.
 
-Measured on the H200, bf16, batch 1, one layer (bench/results/tree_attention.json; % of
-the 4.3 TB/s copy bandwidth, bytes = slots < start + T read once + q + out):
-  * Qwen3-8B GQA, 32K context: T = 17: 116 us, 27 % (XLA reference 234 us, 13 %); T = 65:
-    264 us (ref 608); T = 257: 876 us (ref 1945). Faster than XLA 1.4-2.6x at every
-    T > 1; plain decode (T = 1) 77 us vs 69 us for XLA, so ``attend`` keeps XLA there.
-    Best run at T = 17: 97 us, 32 % (runs differ by ~15 %); the 70 % goal is not met.
+Measured on the H200, bf16, batch 1, one layer, with the cache [B, KVH, S, D] (each
+program's K/V tiles contiguous; bench/results/tree_attention_heads_major_2026-11-29.json; %
+of the 4.3 TB/s copy bandwidth, bytes = slots < start + T read once + q + out):
+  * Qwen3-8B GQA, 32K context: T = 17: 95 us, 33 % (XLA reference 228 us, 14 %); T = 65:
+    250 us (ref 581). Faster than XLA at T > 1: 2.3-2.4x at 32K, 1.5-1.7x at 1K. Plain decode
+    (T = 1): 62 us vs 73 us for XLA at 32K but 26 vs 21 us at 1K, so ``attend`` keeps XLA
+    there (the decode contexts kdj serves today are short). The earlier [B, S, KVH, D] cache
+    (strided tiles; bench/results/tree_attention.json) gave 116 us at T = 17 and 77 at T = 1.
+    The 70 % goal is not met.
   * DeepSeek-V3 MLA (T * 128 query rows over one stream): compute-bound at every T > 1,
-    where XLA's large matmuls are up to 1.4x faster (T = 17); parity at T >= 65, ahead at
-    T = 1, 32K (108 vs 119 us). ``attend_latent`` picks accordingly.
-Why not 70 %: even at T = 1 (no matmul pressure) the loop streams at ~40 % (77 us at 32K),
-so the memory pipeline (Triton's software pipelining of strided [S, KVH, D] tiles, no TMA)
-is the first limit; past T = 17 the padded MMA work (rows rounded to 64) adds to it.
+    where XLA's large matmuls are up to 1.35x faster (T = 17, 32K: 938 vs 693 us); parity at
+    T = 65, ahead at T = 1, 32K (82 vs 98 us). ``attend_latent`` picks accordingly.
+Why not 70 %: even at T = 1 (no matmul pressure) the loop streams at ~50 % (62 us at 32K),
+so the memory pipeline (Triton's software pipelining, no TMA bulk copies) is the first
+limit; past T = 17 the padded MMA work (rows rounded to 64) adds to it.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def _pow2_parts(d: int) -> tuple[tuple[int, int], ...] | None:
 def supported(q_shape, k_shape, v_dim: int, latent: bool) -> bool:
     """Whether the kernel takes this shape (else callers use the XLA reference)."""
     _, T, H, Dk = q_shape
-    KVH = k_shape[2]
+    KVH = k_shape[1]
     parts = _pow2_parts(Dk)
     if parts is None or H % KVH or T < 1:
         return False
@@ -80,8 +83,8 @@ def _kernel(
     start_ref,  # [B] int32
     tree_ref,  # [B * T * T] int8, flattened
     q_ref,  # [B, KVH, Rp, Dk]
-    k_ref,  # [B, S, KVH, Dk]
-    *rest,  # v_ref [B, S, KVH, Dv] unless latent; then o [bq, Dv], m [bq], l [bq] blocks
+    k_ref,  # [B, KVH, S, Dk]
+    *rest,  # v_ref [B, KVH, S, Dv] unless latent; then o [bq, Dv], m [bq], l [bq] blocks
     T: int,
     G: int,
     KVH: int,
@@ -106,7 +109,7 @@ def _kernel(
     # Slots >= end are never read: past start + T they are stale, and past the cache's last
     # slot (a tree cut at the cache end) they do not exist; an unmasked read there returns
     # whatever memory follows, NaN included, which then poisons p @ V even where p = 0.
-    end = jnp.minimum(start + T, k_ref.shape[1])
+    end = jnp.minimum(start + T, k_ref.shape[2])
     n_full = start // bk  # blocks entirely below start: visible to every query
 
     def step(blk, carry, tail: bool):
@@ -116,7 +119,7 @@ def _kernel(
         # Tail blocks run past end: read those slots as 0 (stale V times p = 0 could be NaN).
         masked = dict(mask=(slots < end)[:, None], other=0) if tail else {}
         ks = [
-            plgpu.load(k_ref.at[b, pl.ds(s0, bk), h, pl.ds(off, size)], **masked)
+            plgpu.load(k_ref.at[b, h, pl.ds(s0, bk), pl.ds(off, size)], **masked)
             for off, size in parts
         ]
         s = sum(plgpu.dot(qp, kp, trans_b=True, precision=precision) for qp, kp in zip(qs, ks))
@@ -136,7 +139,7 @@ def _kernel(
         if latent:
             vt = ks[0]  # the first C columns of the stream are the values: no second read
         else:
-            vt = plgpu.load(v_ref.at[b, pl.ds(s0, bk), h, :], **masked)
+            vt = plgpu.load(v_ref.at[b, h, pl.ds(s0, bk), :], **masked)
         pv = plgpu.dot(p.astype(vt.dtype), vt, precision=precision).astype(jnp.float32)
         return o * alpha[:, None] + pv, m_new, l * alpha + p.sum(axis=1)
 
@@ -160,7 +163,7 @@ def _kernel(
 def _flash(q, k, v, start, tree, scale, *, G, latent, dv, cfg, interpret):
     """q [B, KVH, R, Dk] (rows t * G + g) -> [B, KVH, R, dv] f32, normalised."""
     B, KVH, R, Dk = q.shape
-    S = k.shape[1]
+    S = k.shape[2]
     T = tree.shape[1]
     bq = cfg.get("block_q") or max(16, min(64, pl.next_power_of_2(R)))
     bk = cfg.get("block_k") or 64  # H200 sweep: MLA 64 beat 16/32 by 1.4-2.3x
@@ -225,11 +228,11 @@ def _flash(q, k, v, start, tree, scale, *, G, latent, dv, cfg, interpret):
 
 
 def tree_attention(q, k, v, start, tree, scale: float, *, interpret: bool = False, **cfg):
-    """GQA tree attention. q [B, T, H, Dk]; k [B, S, KVH, Dk]; v [B, S, KVH, Dv]; start [B]
+    """GQA tree attention. q [B, T, H, Dk]; k [B, KVH, S, Dk]; v [B, KVH, S, Dv]; start [B]
     int32; tree [B, T, T] bool. Returns [B, T, H, Dv] in q's dtype. ``cfg``: block_q,
     block_k, num_splits, num_warps, num_stages (defaults tuned on the H200)."""
     B, T, H, Dk = q.shape
-    KVH, Dv = k.shape[2], v.shape[-1]
+    KVH, Dv = k.shape[1], v.shape[-1]
     G = H // KVH
     # [B, T, KVH, G, Dk] -> [B, KVH, T * G, Dk]: a KV head's queries become one row block.
     qr = q.reshape(B, T, KVH, G, Dk).transpose(0, 2, 1, 3, 4).reshape(B, KVH, T * G, Dk)
@@ -241,7 +244,7 @@ def tree_attention(q, k, v, start, tree, scale: float, *, interpret: bool = Fals
 def latent_tree_attention(
     q, kv, start, tree, scale: float, v_dim: int, *, interpret: bool = False, **cfg
 ):
-    """MLA absorbed tree attention. q [B, T, H, C + R]; kv [B, S, 1, C + R], whose first
+    """MLA absorbed tree attention. q [B, T, H, C + R]; kv [B, 1, S, C + R], whose first
     v_dim = C columns are the values; start [B]; tree [B, T, T]. Returns [B, T, H, C]."""
     B, T, H, Dk = q.shape
     qr = q.reshape(B, 1, T * H, Dk)  # KVH = 1: rows t * H + h, no transpose needed

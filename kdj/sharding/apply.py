@@ -54,7 +54,7 @@ def shard_cache(cache: KVCache, sharding: Sharding | None) -> KVCache:
                      for i, a in enumerate(axes))  # fmt: skip
         return jax.device_put(x, sharding.named(fits))
 
-    gqa = ("batch", None, "kv_heads", None)
+    gqa = ("batch", "kv_heads", None, None)  # [B, KVH, S, D]
     mla = ("batch", None, None, None)
     k = [put(x, gqa if cache.v else mla) for x in cache.k]
     v = [put(x, gqa) for x in cache.v]
