@@ -255,19 +255,17 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         active = ~c["done"]
         return active, mean_context(c["tcache"].lengths, active)
 
-    def step_limit(c, active):
-        """Drafts a step may accept [B]: up to the cache end (slots L .. L + a must exist) and
-        the token budget."""
-        L = c["tcache"].lengths
-        return jnp.where(active, jnp.maximum(jnp.minimum(S - 1 - L, max_new - c["n"] - 1), 0), 0)
-
     def step_inputs(c):
+        L = c["tcache"].lengths
         active, context = active_context(c)
+        # Commit at most up to the cache end (slots L .. L + a must exist) and the budget.
+        limit = jnp.where(active, jnp.maximum(jnp.minimum(S - 1 - L, max_new - c["n"] - 1), 0), 0)
         step_key = jax.random.fold_in(key, c["step"] + 1)
-        return c, active, step_limit(c, active), step_key, context
+        return c, active, limit, step_key, context
 
-    def commit(c, res, active):
-        """Compact, emit the accepted tokens + bonus (cut after a stop), advance the carry."""
+    def commit(c, res, active, limit):
+        """Compact, emit the accepted tokens + bonus (cut after a stop), advance the carry.
+        limit [B]: the drafts this step could accept (step_inputs)."""
         tcache, a, bonus, accepted, feats, size, path, dcache, choice, gains, raw = res
         tcache = trees.compact(tcache, path, a)
         L = c["tcache"].lengths
@@ -289,7 +287,7 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         expect = jnp.where(active, raw[choice], 0)
         # the forecast's bias: rows whose limit could cut the walk short, or whose tree could
         # lose nodes at the cache end (verify_inputs), do not count
-        full_walk = active & (step_limit(c, active) >= k - 1) & (L + 1 + most_nodes <= S)
+        full_walk = active & (limit >= k - 1) & (L + 1 + most_nodes <= S)
         hits = c["hits"] + jnp.stack(
             [jnp.sum(jnp.where(full_walk, a, 0)), jnp.sum(jnp.where(full_walk, raw[choice] - 1, 0))]
         ).astype(jnp.float32)
@@ -363,7 +361,7 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
     def drafted_body(c):
         ops = step_inputs(c)
         active, context = ops[1], ops[4]
-        c = commit(c, drafted(*ops), active)
+        c = commit(c, drafted(*ops), active, ops[2])
         if can_skip:  # after a draft: back to short probes if drafting pays, else back off
             pays_now = drafting_pays(shapes, c["gains"], active, cost, context)
             later = probe_wait(shapes, cost, B, context, c["wait"])
