@@ -148,6 +148,9 @@ class Drafter:
     # tau its calibration run realised (0: unknown): method="auto"'s forecast before the
     # first draft, so a batch where drafting cannot pay need not draft to find out
     prior_acceptance: float = 0.0
+    # tau each method="auto" menu entry realised in that run, by name ("chain15", "tree64";
+    # {}: unknown, the prior stands for every entry): prices the menu before compiling
+    entry_acceptance: dict = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def from_model(model, name="", mesh=None) -> Drafter:
@@ -183,7 +186,7 @@ def load_drafter(source, target: Target | None = None, dtype=None, mesh=None) ->
     if mesh is None and target is not None:
         mesh = target.sharding  # the drafter lives on its target's mesh
     drafter = Drafter.from_model(load_drafter_checkpoint(path, dtype), path.name, mesh)
-    drafter.calibration, drafter.prior_acceptance = calibrate.load(path)
+    drafter.calibration, drafter.prior_acceptance, drafter.entry_acceptance = calibrate.load(path)
     if target is not None:
         _check_pair(target, drafter, None)
     return drafter
@@ -326,7 +329,10 @@ def generate(
     tokens per second, from the drafter's confidence (temperature-scaled by `calibration`)
     and `cost` (a kdj.cost.StepCost or its JSON path, as `kdj bench` fits it; default: a
     conservative estimate from the target's shapes). calibration defaults to the drafter's
-    fitted forecast temperature (kdj.train.calibrate). max_new_tokens
+    fitted forecast temperature (kdj.train.calibrate). Before compiling, auto drops the
+    entries that cannot pay at this batch size at the drafter's calibrated tokens per step
+    (speculative.paying_menu; stats["menu"] lists the rest); with none left it runs plain
+    decoding, every step a "skip". max_new_tokens
     may be one int or one per prompt; stop_tokens one list or one list per prompt (default:
     the tokenizer's end-of-turn ids, else the config's eos). cache_size fixes the KV-cache
     capacity (default: the longest prompt + max_new_tokens, rounded up).
@@ -369,6 +375,7 @@ def generate(
             Drafter.from_model(drafter.model, drafter.name, sharding),
             calibration=drafter.calibration,
             prior_acceptance=drafter.prior_acceptance,
+            entry_acceptance=drafter.entry_acceptance,
         )
     tokenizer = tokenizer or target.tokenizer
     ids = _as_token_lists(target, prompts, tokenizer)
@@ -398,6 +405,13 @@ def generate(
     stop = jnp.asarray(_stop_matrix(stop_tokens, B, sorted(default_stop)))
     stop = jnp.concatenate([stop, jnp.full((pad, stop.shape[1]), -1, jnp.int32)])
 
+    plain = False  # method "auto" where no draft size can pay at this batch size
+    if method == "auto" and len(shapes) > 1:
+        context = float(np.mean(lens) + np.mean(max_new) / 2)  # mean over the decode
+        priors = (drafter.prior_acceptance, drafter.entry_acceptance)
+        shapes = speculative.paying_menu(shapes, cost, B + pad, context, *priors)
+        plain = all(s.kind == "none" for s in shapes)
+
     P = _round_up(max(lens), 16)  # bucket prompt lengths so similar batches share a compile
     tokens = np.zeros((B + pad, P), np.int32)
     for i, p in enumerate(ids):
@@ -409,7 +423,7 @@ def generate(
     )
     run = (
         _run_ar
-        if method == "ar"
+        if method == "ar" or plain
         else functools.partial(_run_speculative, drafter, block_size, shapes, cost, calibration)
     )
     res = run(target, jnp.asarray(tokens), jnp.asarray(lens, jnp.int32), capacity,
@@ -440,6 +454,9 @@ def generate(
         # the first token of each sequence comes from prefill; decode produced the rest
         "tokens_per_s": (new - B) / decode_s if decode_s > 0 else float("nan"),
     }
+    if speculative_ and plain:  # auto ran plain decoding: every step skipped the drafter
+        res["expected"] = [[1.0] * len(row) for row in taus]
+        res["choices"] = [len(shapes)] * res["steps"]
     if speculative_:
         stats["block_size"] = block_size
         # the drafter's own forecast of each step's tau (DDTree Proposition 1), beside the

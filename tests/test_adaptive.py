@@ -177,6 +177,30 @@ def test_forecast_bias_correction_turns_a_judged_loss_into_drafting():
     assert bool(speculative.drafting_pays(shapes, fixed, active, cost, 100.0))
 
 
+def test_the_menu_keeps_only_entries_that_can_pay_at_the_batch_size():
+    """paying_menu prices each entry's drafted step (draft pass with its own tree + verify)
+    against a plain step at the calibrated tokens per step: bandwidth-bound steps keep every
+    entry, compute-bound ones keep those whose extra tokens the prior pays for."""
+    shapes = tuple(DraftShape(*s) for s in (("none",), ("chain", 3), ("tree", 16), ("tree", 64)))
+    base = StepCost.for_config(moonlight())
+    flat = dataclasses.replace(base, fixed_s=1.0, per_byte_s=0.0, per_flop_s=0.0,
+                               draft_fixed_s=0.5, per_node_s=1e-3)  # fmt: skip
+    # a drafted step costs 1.5 + nodes/1000 plain steps: a prior of 1.55 pays for all but 64
+    assert speculative.paying_menu(shapes, flat, 1, 100.0, 1.55) == shapes[:3]
+    assert speculative.paying_menu(shapes, flat, 1, 100.0, 1.6) == shapes
+    assert speculative.paying_menu(shapes, flat, 1, 100.0, 1.4) == shapes[:1]
+    # each entry priced at its own measured tau where the calibration has one
+    measured = {"tree16": 1.6, "chain3": 1.45}
+    assert speculative.paying_menu(shapes, flat, 1, 100.0, 1.4, measured) == shapes[::2]
+    # compute-bound: 4 verified tokens cost 4x one; even the chain needs 4+ tokens per step
+    dear = dataclasses.replace(base, fixed_s=0.0, per_byte_s=0.0, per_flop_s=1.0)
+    assert speculative.paying_menu(shapes, dear, 256, 100.0, 3.0) == shapes[:1]
+    assert speculative.paying_menu(shapes, dear, 256, 100.0, 5.0) == shapes[:2]
+    # nothing known, or a menu without "none" (the user asked to draft): nothing dropped
+    assert speculative.paying_menu(shapes, dear, 256, 100.0, 0.0) == shapes
+    assert speculative.paying_menu(shapes[1:], dear, 256, 100.0, 3.0) == shapes[1:]
+
+
 # ------------------------------------------------------------------ lossless while switching
 def _scramble(x, salt: int):
     """A well-mixed pseudo-random integer from a float32 scalar that changes every step."""
@@ -268,7 +292,9 @@ def test_auto_default_menu_and_bad_menus(tmp_path):
     doubtful = dataclasses.replace(drafter, prior_acceptance=1.2)
     pr = kdj.generate(target, prompts, drafter=doubtful, max_new_tokens=40, stop_tokens=[],
                       cost=dear)  # fmt: skip
-    assert pr.tokens == ar40.tokens and pr.stats["draft_choices"][:9] == ["skip"] * 9
+    # (at no size: the menu is trimmed to "none" before compiling and auto runs plain decoding)
+    assert pr.tokens == ar40.tokens and pr.stats["draft_choices"] == ["skip"] * 39
+    assert pr.stats["menu"] == ["none"] and pr.stats["mean_expected_acceptance"] == 1.0
     for menu, msg in ((["tree0"], "bad menu entry"), (["chain9"], "a chain holds 1..3"),
                       (["none", "none"], "distinct"), (["fork2"], "bad menu entry")):  # fmt: skip
         with pytest.raises(ValueError, match=msg):
@@ -289,15 +315,23 @@ def test_calibration_changes_only_the_forecast_and_is_saved_with_the_drafter(tmp
     assert drafter.calibration == 1.0  # no calibration.json yet
     prompts = prompts_for(target)
     kw = dict(tree_budget=6, temperatures=(0.5, 1.0, 3.0), max_new_tokens=24, log=lambda s: 0)
-    report = calibrate.calibrate(target, drafter, prompts, **kw)
+    report = calibrate.calibrate(target, drafter, prompts, entry_budgets=(2, 6), **kw)
     rows = report["candidates"]
     assert len({r["mean_realised"] for r in rows}) == 1  # same drafts, same acceptance
+    # the menu entries' own tau: tree6 is the fitted run's; chain4 (DFlash at block 5) and
+    # tree2 ran on the same prompts (a tree of 2 nodes commits at most 3 tokens a step)
+    by_entry = report["realised_by_entry"]
+    assert set(by_entry) == {"chain4", "tree2", "tree6"}
+    assert by_entry["tree6"] == rows[0]["mean_realised"]
+    assert all(1.0 <= t <= 5.0 for t in by_entry.values())
+    assert by_entry["tree2"] <= 3.0
     forecasts = [r["mean_forecast"] for r in rows]
     assert forecasts[0] > forecasts[1] > forecasts[2]  # hotter: less confident
     assert abs(report["bias_after"]) <= abs(report["bias_before"])
     calibrate.save(report, tmp_path / "d")
     again = kdj.load_drafter(tmp_path / "d", target=target)
     assert again.calibration == report["temperature"]
+    assert again.entry_acceptance == by_entry and again.prior_acceptance == by_entry["tree6"]
     out = kdj.generate(target, prompts, drafter=again, method="ddtree", tree_budget=6,
                        max_new_tokens=8, stop_tokens=[])  # fmt: skip
     assert out.stats["calibration_error"] >= 0

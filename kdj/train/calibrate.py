@@ -23,10 +23,13 @@ TEMPERATURES = (0.5, 0.7, 0.85, 1.0, 1.2, 1.5, 2.0, 3.0)
 
 
 def calibrate(target, drafter, prompts, *, method="ddtree", tree_budget=16,
-              temperatures=TEMPERATURES, max_new_tokens=64, log=print) -> dict:  # fmt: skip
+              temperatures=TEMPERATURES, max_new_tokens=64, entry_budgets=(16, 64),
+              log=print) -> dict:  # fmt: skip
     """Fit the forecast temperature on prompts (token-id lists) at T=0. Returns a report:
     per candidate t the mean forecast, mean realised tau and mean absolute step error; the
-    chosen temperature; the error before (t = 1) and after."""
+    chosen temperature; the error before (t = 1) and after; and the tau that method="auto"'s
+    drafting menu entries realise on the same prompts (the chain of DFlash and trees of
+    `entry_budgets` nodes, by entry name), which prices them before any draft."""
     import kdj
 
     kw = {"tree_budget": tree_budget} if method == "ddtree" else {}
@@ -59,6 +62,18 @@ def calibrate(target, drafter, prompts, *, method="ddtree", tree_budget=16,
             measure(lo["temperature"] + frac * (hi["temperature"] - lo["temperature"]))
             break
     best = min(rows, key=lambda r: abs(r["mean_forecast"] - r["mean_realised"]))
+    by_entry = {}
+    for m, budget in [("dflash", None)] + [("ddtree", b) for b in entry_budgets]:
+        if m == method and budget == (tree_budget if method == "ddtree" else None):
+            tau = best["mean_realised"]  # measured above
+        else:
+            extra = {"tree_budget": budget} if budget else {}
+            s = kdj.generate(target, prompts, drafter=drafter, method=m, stop_tokens=[],
+                             max_new_tokens=max_new_tokens, **extra).stats  # fmt: skip
+            tau = float(np.mean([r for rr in s["acceptance_lengths"] for r in rr[:-1]]))
+        name = f"tree{budget}" if budget else f"chain{drafter.cfg.block_size - 1}"
+        by_entry[name] = tau
+        log(f"{name}: realised tau {tau:.3f}")
     before = next((r for r in rows if r["temperature"] == 1.0), None)
     return {
         "temperature": best["temperature"],
@@ -71,6 +86,7 @@ def calibrate(target, drafter, prompts, *, method="ddtree", tree_budget=16,
         "error_after": best["mean_abs_error"],
         "bias_after": best["mean_forecast"] - best["mean_realised"],
         "realised_acceptance": best["mean_realised"],  # method="auto"'s prior (load)
+        "realised_by_entry": by_entry,  # prices method="auto"'s menu entries (load)
         "candidates": rows,
     }
 
@@ -81,13 +97,14 @@ def save(report: dict, drafter_dir) -> Path:
     return path
 
 
-def load(drafter_dir) -> tuple[float, float]:
-    """(forecast temperature, prior tau) saved beside a drafter: the fitted temperature (1.0
-    when there is no calibration file) and the mean tau the calibration run realised (its
-    method and budget are in the file; 0.0 = unknown)."""
+def load(drafter_dir) -> tuple[float, float, dict]:
+    """(forecast temperature, prior tau, tau by menu entry) saved beside a drafter: the
+    fitted temperature (1.0 when there is no calibration file), the mean tau the calibration
+    run realised (its method and budget are in the file; 0.0 = unknown) and that of each
+    measured menu entry ({} = unknown)."""
     path = Path(drafter_dir) / FILE
     if not path.exists():
-        return 1.0, 0.0
+        return 1.0, 0.0, {}
     data = json.loads(path.read_text())
     t = float(data["temperature"])
     if not t > 0:
@@ -95,4 +112,5 @@ def load(drafter_dir) -> tuple[float, float]:
     tau = data.get("realised_acceptance")
     if tau is None and data.get("candidates"):  # files written before the field existed
         tau = data["candidates"][0]["mean_realised"]
-    return t, float(tau or 0.0)
+    by_entry = {str(k): float(v) for k, v in data.get("realised_by_entry", {}).items()}
+    return t, float(tau or 0.0), by_entry
