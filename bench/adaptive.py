@@ -11,6 +11,9 @@ tokens/s compare directly. Greedy (T=0), bf16.
         --drafter smollm2-135m-dflash-b16 --prompts .traincache/data/eval_prompts.json \
         --batches 1 4 16 64 256 --fit-cost $OUT/cost.json --out $OUT/adaptive.json
 
+With --fit-from RUN.json ... --fit-cost cost.json it generates nothing: the step cost is
+fitted to the fixed-method rows of earlier runs (their step times as measured there).
+
 Prompts: the "sharegpt" held-out conversations of eval_prompts.json (what `kdj train-drafter`
 caches: ShareGPT conversations after the first 16,000), cycled when a batch needs more.
 Writes JSON, a markdown table (.md) and a plot (.png) of tokens/s and speedup vs batch size.
@@ -178,7 +181,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--drafter", default="smollm2-135m-dflash-b16")
-    p.add_argument("--prompts", required=True, help="eval_prompts.json (kdj train-drafter)")
+    p.add_argument("--prompts", help="eval_prompts.json (kdj train-drafter)")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16, 64, 256])
     p.add_argument("--methods", nargs="+", default=["ar", "dflash", "ddtree16", "ddtree64",
                    "ddtree256", "auto"], help="ar, dflash, ddtree<B>, auto")  # fmt: skip
@@ -188,14 +191,22 @@ def main(argv=None):
     p.add_argument("--cost", help="StepCost JSON for auto (default: kdj's conservative one)")
     p.add_argument("--fit-cost", help="fit a StepCost to this run's fixed methods, save it here "
                    "and run auto with it")  # fmt: skip
+    p.add_argument("--fit-from", nargs="+", help="earlier runs' JSON: only fit --fit-cost")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out")
     args = p.parse_args(argv)
+    if args.fit_from and not args.fit_cost:
+        p.error("--fit-from needs --fit-cost (where the fitted step cost goes)")
+    if not args.fit_from and not (args.prompts and args.out):
+        p.error("a sweep needs --prompts and --out")
 
     from kdj.train.loop import chat_prompts
 
     target = kdj.load_target(args.target, dtype=args.dtype)
     drafter = kdj.load_drafter(args.drafter, target=target)
+    if args.fit_from:
+        rows = [r for f in args.fit_from for r in json.loads(Path(f).read_text())["rows"]]
+        return fit_cost(target, drafter, rows, args.fit_cost)
     held = json.loads(Path(args.prompts).read_text())["sharegpt"]
     prompts = chat_prompts(target.tokenizer, held, args.max_prompt_tokens)
     t0 = time.time()

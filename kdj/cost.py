@@ -53,6 +53,10 @@ class StepCost:
     draft_fixed_frac: float = 0.0  # drafter layers / target layers
     draft_fixed_s: float = 0.0  # fitted: a drafting step's own overhead (launches, tree walk)
     per_node_s: float = 0.0  # fitted: building a tree, per sequence per node
+    # fitted: building a tree, per node whatever the batch (its top-k passes over the budget
+    # x vocabulary candidates do not fill the GPU at small batch: at batch 1 on the H200 a
+    # 64-node tree step costs 0.6 ms more than a 16-node one)
+    per_tree_node_s: float = 0.0
 
     @classmethod
     def for_config(cls, cfg: ModelConfig, dtype_bytes: int = 2) -> StepCost:
@@ -137,6 +141,7 @@ class StepCost:
             + bytes_ * self.per_byte_s
             + batch * self.draft_flops_per_seq * self.per_flop_s
             + batch * nodes * self.per_node_s
+            + nodes * self.per_tree_node_s
         )
 
     # ------------------------------------------------------------------ fitting and files
@@ -146,8 +151,8 @@ class StepCost:
         fit fixed, per byte and per FLOP. Rows with drafted = 1 are whole speculative steps
         (draft pass + tree of tree_nodes nodes + verify, as a decode loop times them; needs
         with_drafter first) and also fit the drafting step's own overhead and the per-node
-        tree cost. Relative error is minimised, so a 1 ms decode step counts as much as a
-        100 ms batch-256 verify."""
+        tree costs (per sequence and per step). Relative error is minimised, so a 1 ms decode
+        step counts as much as a 100 ms batch-256 verify."""
         rows = np.asarray(rows, float)
         b, f = self.terms(rows[:, 0], rows[:, 1], rows[:, 2])
         cols = [np.ones_like(b), b, f]
@@ -158,18 +163,19 @@ class StepCost:
                 self.draft_bytes + rows[:, 0] * rows[:, 2] * self.draft_kv_bytes_per_token
             )
             cols[2] = f + d * rows[:, 0] * self.draft_flops_per_seq
-            cols += [d, d * rows[:, 0] * nodes]
+            cols += [d, d * rows[:, 0] * nodes, d * nodes]
         X = np.stack(cols, axis=1) / rows[:, 3:4]
         y = np.ones(len(rows))
         keep = [i for i in range(X.shape[1]) if X[:, i].any()]
         while True:  # drop coefficients that come out negative, refit (tiny active-set NNLS)
-            coef = np.zeros(5)
+            coef = np.zeros(X.shape[1])
             coef[keep] = np.linalg.lstsq(X[:, keep], y, rcond=None)[0]
             if (coef >= 0).all():
                 break
             keep = [i for i in keep if coef[i] > 0]
-        names = ("fixed_s", "per_byte_s", "per_flop_s", "draft_fixed_s", "per_node_s")
-        fitted = {n: float(c) for n, c in zip(names, coef) if n in names[: X.shape[1]]}
+        names = ("fixed_s", "per_byte_s", "per_flop_s", "draft_fixed_s", "per_node_s",
+                 "per_tree_node_s")  # fmt: skip
+        fitted = {n: float(c) for n, c in zip(names, coef)}
         return dataclasses.replace(self, **fitted)
 
     def save(self, path) -> Path:

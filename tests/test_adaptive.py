@@ -185,12 +185,14 @@ def test_the_menu_keeps_only_entries_that_can_pay_at_the_batch_size():
     base = StepCost.for_config(moonlight())
     flat = dataclasses.replace(base, fixed_s=1.0, per_byte_s=0.0, per_flop_s=0.0,
                                draft_fixed_s=0.5, per_node_s=1e-3)  # fmt: skip
-    # a drafted step costs 1.5 + nodes/1000 plain steps: a prior of 1.55 pays for all but 64
-    assert speculative.paying_menu(shapes, flat, 1, 100.0, 1.55) == shapes[:3]
-    assert speculative.paying_menu(shapes, flat, 1, 100.0, 1.6) == shapes
-    assert speculative.paying_menu(shapes, flat, 1, 100.0, 1.4) == shapes[:1]
+    # a drafted step costs 1.5 + nodes/1000 plain steps and must win by MENU_MARGIN (10%):
+    # a prior of 1.7 pays for all but 64 nodes (1.7 / 1.564 = 1.087)
+    assert speculative.MENU_MARGIN == 0.1
+    assert speculative.paying_menu(shapes, flat, 1, 100.0, 1.7) == shapes[:3]
+    assert speculative.paying_menu(shapes, flat, 1, 100.0, 1.75) == shapes
+    assert speculative.paying_menu(shapes, flat, 1, 100.0, 1.6) == shapes[:1]  # 7% is too thin
     # each entry priced at its own measured tau where the calibration has one
-    measured = {"tree16": 1.6, "chain3": 1.45}
+    measured = {"tree16": 1.7, "chain3": 1.6}
     assert speculative.paying_menu(shapes, flat, 1, 100.0, 1.4, measured) == shapes[::2]
     # compute-bound: 4 verified tokens cost 4x one; even the chain needs 4+ tokens per step
     dear = dataclasses.replace(base, fixed_s=0.0, per_byte_s=0.0, per_flop_s=1.0)
