@@ -185,9 +185,9 @@ HITS_PRIOR = 4.0
 # little about the next steps' (on the H200, run f: at batch 1 single low forecasts kept
 # DDTree 16, a 1.07x win on average, skipped for 113 of 121 steps). The mean weighs the
 # drafted steps equally for the first 1 / TREND_WEIGHT, then decays by TREND_WEIGHT per step.
-# The calibrated prior counts as HITS_PRIOR drafted steps: on the H200 (run h) a first draft
-# right after the prompt forecast 1.2 tokens against 1.8 later on, and with the prior
-# weighed as one step it turned batch 1 to plain runs for 108 of 119 steps.
+# The calibrated prior counts as HITS_PRIOR drafted steps: in run h's batch-1 prompt (traced
+# on the CPU) the first draft after the prompt forecast 1.2 tokens against 1.8 later on, and
+# with the prior weighed as one step the H200 run took plain runs for 108 of 119 steps.
 TREND_WEIGHT = 0.125
 
 
