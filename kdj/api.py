@@ -405,12 +405,12 @@ def generate(
     stop = jnp.asarray(_stop_matrix(stop_tokens, B, sorted(default_stop)))
     stop = jnp.concatenate([stop, jnp.full((pad, stop.shape[1]), -1, jnp.int32)])
 
-    plain = False  # method "auto" where no draft size can pay at this batch size
     if method == "auto" and len(shapes) > 1:
         context = float(np.mean(lens) + np.mean(max_new) / 2)  # mean over the decode
         priors = (drafter.prior_acceptance, drafter.entry_acceptance)
         shapes = speculative.paying_menu(shapes, cost, B + pad, context, *priors)
-        plain = all(s.kind == "none" for s in shapes)
+    # method "auto" where no draft size can pay at this batch size (or menu=["none"])
+    plain = method == "auto" and all(s.kind == "none" for s in shapes)
 
     P = _round_up(max(lens), 16)  # bucket prompt lengths so similar batches share a compile
     tokens = np.zeros((B + pad, P), np.int32)
@@ -549,7 +549,11 @@ def _step_cost(cfg) -> StepCost:
 def _run_speculative(drafter, block_size, shapes, cost, calibration, target, tokens, lens,
                      capacity, max_new, stop, sampling, greedy):  # fmt: skip
     key, temp, topp = sampling["key"], sampling["temperature"], sampling["top_p"]
-    cal, prior = jnp.float32(calibration), jnp.float32(drafter.prior_acceptance)
+    cal = jnp.float32(calibration)
+    # each entry's tau before the first draft (0 = unknown: the first step drafts)
+    prior = jnp.asarray([0.0 if drafter.prior_acceptance <= 0 else 1.0 if s.kind == "none"
+                         else drafter.entry_acceptance.get(str(s), drafter.prior_acceptance)
+                         for s in shapes], jnp.float32)  # fmt: skip
     B = tokens.shape[0]
     tcache = shard_cache(init_cache(target.cfg, B, capacity, target.dtype), target.sharding)
     dcache = shard_cache(

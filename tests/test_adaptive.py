@@ -98,7 +98,8 @@ def test_fit_with_drafted_steps_recovers_the_draft_terms():
                          num_target_layers=cfg.num_layers)  # fmt: skip
     base = StepCost.for_config(cfg).with_drafter(dcfg, 10**8, cfg)
     truth = dataclasses.replace(base, fixed_s=3e-4, per_byte_s=1 / 2e12, per_flop_s=1 / 3e14,
-                                draft_fixed_s=2e-4, per_node_s=1e-7)  # fmt: skip
+                                draft_fixed_s=2e-4, per_node_s=1e-7,
+                                per_tree_node_s=1e-5)  # fmt: skip
     rows = []
     for b, c in itertools.product((1, 4, 16, 64, 256), (256, 2048)):
         rows.append((b, 1, c, float(truth.seconds(b, 1, c)), 0, 0))
@@ -106,7 +107,9 @@ def test_fit_with_drafted_steps_recovers_the_draft_terms():
             s = truth.seconds(b, t, c) + truth.draft_seconds(b, c, n)
             rows.append((b, t, c, float(s), 1, n))
     fitted = base.fit(rows)
-    for name in ("fixed_s", "per_byte_s", "per_flop_s", "draft_fixed_s", "per_node_s"):
+    names = ("fixed_s", "per_byte_s", "per_flop_s", "draft_fixed_s", "per_node_s",
+             "per_tree_node_s")  # fmt: skip
+    for name in names:
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-5), name
 
 
@@ -194,6 +197,12 @@ def test_the_menu_keeps_only_entries_that_can_pay_at_the_batch_size():
     # each entry priced at its own measured tau where the calibration has one
     measured = {"tree16": 1.7, "chain3": 1.6}
     assert speculative.paying_menu(shapes, flat, 1, 100.0, 1.4, measured) == shapes[::2]
+    # every drafted step builds the largest tree left: a chain that loses beside tree64
+    # (1.7 / 1.564) stays once the trees are gone (1.7 / 1.5), and one that loses while
+    # tree64 wins goes
+    assert speculative.paying_menu(shapes, flat, 1, 100.0, 1.4, {"chain3": 1.7}) == shapes[:2]
+    both = {"chain3": 1.7, "tree64": 1.75}
+    assert speculative.paying_menu(shapes, flat, 1, 100.0, 1.4, both) == shapes[::3]
     # compute-bound: 4 verified tokens cost 4x one; even the chain needs 4+ tokens per step
     dear = dataclasses.replace(base, fixed_s=0.0, per_byte_s=0.0, per_flop_s=1.0)
     assert speculative.paying_menu(shapes, dear, 256, 100.0, 3.0) == shapes[:1]

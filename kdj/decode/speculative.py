@@ -141,21 +141,29 @@ def paying_menu(shapes, cost, batch: int, context: float, prior: float, measured
     """The entries of the menu that can pay at this batch size, chosen once, at trace time
     (host floats): an entry stays when a step that drafts and verifies it, committing the
     tokens per step its calibration run realised (`measured`, by entry name, else `prior`),
-    is predicted to beat a plain step by MENU_MARGIN. Batch
-    size is static in the compiled loop, so an entry that cannot pay on average at this batch
-    is not compiled in (a per-step switch that never takes it still costs every step). Only a
-    menu with "none" is trimmed, and nothing when the prior is unknown (0). A result of
-    ("none",) alone means plain decoding."""
+    is predicted to beat a plain step by MENU_MARGIN. A drafting step builds the largest tree
+    left on the menu (the smaller ones are its first nodes), so every entry pays for that
+    build: a losing largest tree goes first and the rest are priced again. Batch size is
+    static in the compiled loop, so an entry that cannot pay on average at this batch is not
+    compiled in (a per-step switch that never takes it still costs every step). Only a menu
+    with "none" is trimmed, and nothing when the prior is unknown (0). A result of ("none",)
+    alone means plain decoding."""
     if prior <= 0 or not any(s.kind == "none" for s in shapes):
         return shapes
     plain = 1.0 / float(cost.seconds(batch, 1, context))
 
-    def pays(s):
-        nodes = s.size if s.kind == "tree" else 0
-        step = cost.seconds(batch, 1 + s.size, context) + cost.draft_seconds(batch, context, nodes)
+    def pays(s, built):
+        step = cost.seconds(batch, 1 + s.size, context) + cost.draft_seconds(batch, context, built)
         return (measured or {}).get(str(s), prior) / float(step) > plain * (1 + MENU_MARGIN)
 
-    return tuple(s for s in shapes if s.kind == "none" or pays(s))
+    kept = list(shapes)
+    while True:
+        built = largest_tree(kept)
+        losers = [s for s in kept if s.kind != "none" and not pays(s, built)]
+        if not losers:
+            return tuple(kept)
+        largest = [s for s in losers if s.kind == "tree" and s.size == built]
+        kept = [s for s in kept if s not in (largest or losers)]
 
 
 # A plain step skips the drafter. While drafting does not pay, the loop still drafts now and
@@ -222,11 +230,11 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
     needs `cost`) picks one per step and `lax.switch` runs it. With "none" on a menu of
     several, a step whose draft is not expected to pay (`drafting_pays`, from the running
     mean of the drafted steps' forecasts) skips the drafter and decodes plainly; drafting
-    resumes at the next probe (`probe_wait`) that finds it pays. prior: tokens per step the
-    drafter is expected to commit before its first draft (its calibration run's realised tau;
-    0 = unknown): when it says drafting does not pay, the first step is plain and the first
-    probe comes later, else the first step drafts; it also starts the running mean.
-    max_steps = max(max_new).
+    resumes at the next probe (`probe_wait`) that finds it pays. prior [len(shapes)] (or one
+    for all): tokens per step each entry is expected to commit before the first draft (its
+    calibration run's realised tau; 1 for "none"; 0 = unknown): when it says drafting does
+    not pay, the first step is plain and the first probe comes later, else the first step
+    drafts; it also starts the running mean. max_steps = max(max_new).
     Returns (out [B, max_steps] int32, n_out [B], taus [B, max_steps] (tokens committed per
     step, 0 once finished), sizes [B, max_steps] (draft nodes verified per step), choices
     [max_steps] (index into shapes per step; len(shapes): the drafter was skipped), expected
@@ -427,14 +435,16 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         c = flush(c)
         return jax.lax.while_loop(lambda c: cond(c) & draft_due(c), drafted_body, c)
 
-    # Before any draft: every entry is expected to commit `prior` tokens per step (1 when it
-    # is unknown, and then the first step drafts to find out).
-    gains = jnp.full((len(shapes), B), jnp.where(prior > 0, prior, 1.0), jnp.float32)
+    # Before any draft: each entry is expected to commit its `prior` tokens per step (1 when
+    # it is unknown, and then the first step drafts to find out).
+    prior = jnp.broadcast_to(jnp.asarray(prior, jnp.float32), (len(shapes),))
+    known = jnp.all(prior > 0)
+    gains = jnp.broadcast_to(jnp.where(known, prior, 1.0)[:, None], (len(shapes), B))
     wait = jnp.int32(0)
     if can_skip:
         active = ~done
         context = mean_context(tcache.lengths, active)
-        doubt = (prior > 0) & ~drafting_pays(shapes, gains, active, cost, context)
+        doubt = known & ~drafting_pays(shapes, gains, active, cost, context)
         wait = jnp.where(doubt, probe_wait(shapes, cost, B, context, 0), 0)
     carry = {
         "tcache": tcache, "dcache": dcache, "last": first, "pending": pending, "n_pend": n_pend,
@@ -442,7 +452,7 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         "choices": jnp.full((max_steps,), -1, jnp.int32),
         "expected": jnp.zeros((B, max_steps), jnp.float32), "step": jnp.int32(0),
         # running mean of the drafted steps' expected tokens per menu entry and sequence
-        "trend": gains, "drafts": jnp.where(prior > 0, HITS_PRIOR, 0.0),
+        "trend": gains, "drafts": jnp.where(known, HITS_PRIOR, 0.0).astype(jnp.float32),
         "hits": jnp.full((2,), HITS_PRIOR, jnp.float32),  # realised, forecast drafts (corrected)
         "wait": wait, "since": jnp.int32(0), "left": jnp.int32(0),
     }  # fmt: skip
