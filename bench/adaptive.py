@@ -205,7 +205,12 @@ def main(argv=None):
     target = kdj.load_target(args.target, dtype=args.dtype)
     drafter = kdj.load_drafter(args.drafter, target=target)
     if args.fit_from:
-        rows = [r for f in args.fit_from for r in json.loads(Path(f).read_text())["rows"]]
+        rows = []
+        for f in args.fit_from:
+            for r in json.loads(Path(f).read_text())["rows"]:
+                if "context" not in r:  # runs a and b did not record it
+                    p.error(f"{f}: the batch-{r['batch']} row has no 'context' to fit with")
+                rows.append(r)
         return fit_cost(target, drafter, rows, args.fit_cost)
     held = json.loads(Path(args.prompts).read_text())["sharegpt"]
     prompts = chat_prompts(target.tokenizer, held, args.max_prompt_tokens)

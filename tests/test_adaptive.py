@@ -346,3 +346,51 @@ def test_calibration_changes_only_the_forecast_and_is_saved_with_the_drafter(tmp
     out = kdj.generate(target, prompts, drafter=again, method="ddtree", tree_budget=6,
                        max_new_tokens=8, stop_tokens=[])  # fmt: skip
     assert out.stats["calibration_error"] >= 0
+
+
+def test_bench_adaptive_refits_the_step_cost_from_saved_runs(tmp_path):
+    """bench/adaptive.py --fit-from: the step cost fitted to earlier runs' fixed-method rows
+    (AR, DFlash = a chain of k - 1 drafts, DDTree<n>) recovers the cost that made them."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import adaptive
+
+    build("llama", tmp_path / "t", vocab_size=VOCAB, num_hidden_layers=2)
+    target = kdj.load_target(tmp_path / "t", dtype="float32")
+    make_drafter(target, layers=1, block=4, ids=(1,)).save(tmp_path / "d")
+    drafter = kdj.load_drafter(tmp_path / "d", target=target)
+    n_params = sum(int(x.size) for x in jax.tree.leaves(drafter.state))
+    base = StepCost.for_config(target.cfg).with_drafter(drafter.cfg, n_params, target.cfg)
+    truth = dataclasses.replace(base, fixed_s=5e-4, per_byte_s=1e-12, per_flop_s=1e-14,
+                                draft_fixed_s=2e-4, per_node_s=1e-6,
+                                per_tree_node_s=1e-5)  # fmt: skip
+
+    def ms(batch, context, tokens, nodes, drafted):
+        s = truth.seconds(batch, tokens, context) + drafted * truth.draft_seconds(
+            batch, context, nodes
+        )
+        return {"step_ms": float(s) * 1e3}
+
+    rows = [{"batch": b, "context": c, "methods": {
+                "ar": ms(b, c, 1, 0, 0), "dflash": ms(b, c, 4, 0, 1),
+                "ddtree16": ms(b, c, 17, 16, 1), "ddtree64": ms(b, c, 65, 64, 1),
+                "auto": {"step_ms": 1.0}}}  # auto rows are not fitted
+            for b, c in itertools.product((1, 16, 256), (100.0, 900.0))]  # fmt: skip
+    runs = [tmp_path / "a.json", tmp_path / "b.json"]
+    for run, part in zip(runs, (rows[:3], rows[3:])):
+        run.write_text(json.dumps({"meta": {}, "rows": part}))
+    out = tmp_path / "cost.json"
+    pair = ["--target", str(tmp_path / "t"), "--drafter", str(tmp_path / "d"), "--dtype",
+            "float32"]  # fmt: skip
+    adaptive.main([*pair, "--fit-from", *map(str, runs), "--fit-cost", str(out)])
+    fitted = StepCost.load(out)
+    for name in ("fixed_s", "per_byte_s", "per_flop_s", "draft_fixed_s", "per_node_s",
+                 "per_tree_node_s"):  # fmt: skip
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-4), name
+    del rows[0]["context"]  # runs before 2026-11-29c did not record it
+    runs[0].write_text(json.dumps({"meta": {}, "rows": rows[:1]}))
+    with pytest.raises(SystemExit):
+        adaptive.main([*pair, "--fit-from", str(runs[0]), "--fit-cost", str(out)])
