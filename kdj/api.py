@@ -551,8 +551,9 @@ def _run_speculative(drafter, block_size, shapes, cost, calibration, target, tok
     key, temp, topp = sampling["key"], sampling["temperature"], sampling["top_p"]
     cal = jnp.float32(calibration)
     # each entry's tau before the first draft (0 = unknown: the first step drafts)
-    prior = jnp.asarray([0.0 if drafter.prior_acceptance <= 0 else 1.0 if s.kind == "none"
-                         else drafter.entry_acceptance.get(str(s), drafter.prior_acceptance)
+    known = drafter.prior_acceptance > 0
+    prior = jnp.asarray([speculative.entry_tau(s, drafter.prior_acceptance,
+                                               drafter.entry_acceptance) if known else 0.0
                          for s in shapes], jnp.float32)  # fmt: skip
     B = tokens.shape[0]
     tcache = shard_cache(init_cache(target.cfg, B, capacity, target.dtype), target.sharding)

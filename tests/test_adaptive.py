@@ -197,12 +197,19 @@ def test_the_menu_keeps_only_entries_that_can_pay_at_the_batch_size():
     # each entry priced at its own measured tau where the calibration has one
     measured = {"tree16": 1.7, "chain3": 1.6}
     assert speculative.paying_menu(shapes, flat, 1, 100.0, 1.4, measured) == shapes[::2]
+    # entries without a measurement of their own: the smallest larger one of their kind
+    # bounds them (a chain or tree holds the smaller ones as its first nodes), else the prior
+    known = {"chain15": 1.46, "tree16": 1.96, "tree64": 2.23}
+    taus = [speculative.entry_tau(DraftShape(*s), 1.9, known)
+            for s in (("none",), ("chain", 7), ("chain", 15), ("tree", 8), ("tree", 32),
+                      ("tree", 128))]  # fmt: skip
+    assert taus == [1.0, 1.46, 1.46, 1.96, 2.23, 1.9]
     # every drafted step builds the largest tree left: a chain that loses beside tree64
     # (1.7 / 1.564) stays once the trees are gone (1.7 / 1.5), and one that loses while
-    # tree64 wins goes
+    # tree64 wins goes (tree16, bounded by tree64's 1.75, stays)
     assert speculative.paying_menu(shapes, flat, 1, 100.0, 1.4, {"chain3": 1.7}) == shapes[:2]
     both = {"chain3": 1.7, "tree64": 1.75}
-    assert speculative.paying_menu(shapes, flat, 1, 100.0, 1.4, both) == shapes[::3]
+    assert speculative.paying_menu(shapes, flat, 1, 100.0, 1.4, both) == shapes[:1] + shapes[2:]
     # compute-bound: 4 verified tokens cost 4x one; even the chain needs 4+ tokens per step
     dear = dataclasses.replace(base, fixed_s=0.0, per_byte_s=0.0, per_flop_s=1.0)
     assert speculative.paying_menu(shapes, dear, 256, 100.0, 3.0) == shapes[:1]

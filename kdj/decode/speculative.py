@@ -137,11 +137,28 @@ def drafting_pays(shapes, gains, active, cost, context):
 MENU_MARGIN = 0.1
 
 
+def entry_tau(shape, prior: float, measured=None) -> float:
+    """Tokens per step a menu entry is expected to commit before any draft: 1 for "none";
+    the tau its calibration run realised (`measured`, by entry name: "chain15", "tree64"); else
+    that of the smallest measured entry of its kind that is at least as large (a chain or
+    tree holds the smaller ones of its kind as its first nodes, so it accepts at least as much:
+    an optimistic bound); else `prior`."""
+    if shape.kind == "none":
+        return 1.0
+    measured = measured or {}
+    if str(shape) in measured:
+        return float(measured[str(shape)])
+    sizes = {int(name[len(shape.kind) :]): tau for name, tau in measured.items()
+             if name.rstrip("0123456789") == shape.kind}  # fmt: skip
+    larger = [size for size in sizes if size >= shape.size]
+    return float(sizes[min(larger)]) if larger else float(prior)
+
+
 def paying_menu(shapes, cost, batch: int, context: float, prior: float, measured=None):
     """The entries of the menu that can pay at this batch size, chosen once, at trace time
     (host floats): an entry stays when a step that drafts and verifies it, committing the
-    tokens per step its calibration run realised (`measured`, by entry name, else `prior`),
-    is predicted to beat a plain step by MENU_MARGIN. A drafting step builds the largest tree
+    tokens per step it is expected to (`entry_tau`), is predicted to beat a plain step by
+    MENU_MARGIN. A drafting step builds the largest tree
     left on the menu (the smaller ones are its first nodes), so every entry pays for that
     build: a losing largest tree goes first and the rest are priced again. Batch size is
     static in the compiled loop, so an entry that cannot pay on average at this batch is not
@@ -154,7 +171,7 @@ def paying_menu(shapes, cost, batch: int, context: float, prior: float, measured
 
     def pays(s, built):
         step = cost.seconds(batch, 1 + s.size, context) + cost.draft_seconds(batch, context, built)
-        return (measured or {}).get(str(s), prior) / float(step) > plain * (1 + MENU_MARGIN)
+        return entry_tau(s, prior, measured) / float(step) > plain * (1 + MENU_MARGIN)
 
     kept = list(shapes)
     while True:
