@@ -35,17 +35,21 @@ def calibrate(target, drafter, prompts, *, method="ddtree", tree_budget=16,
     kw = {"tree_budget": tree_budget} if method == "ddtree" else {}
     rows = []
 
-    def measure(t):
+    def steps(method, t=1.0, **kw):
+        """(forecast, realised) tau of every step of a greedy run, each sequence's last step
+        left out: max_new_tokens cuts it short of its forecast."""
         s = kdj.generate(target, prompts, drafter=drafter, method=method, calibration=t,
                          max_new_tokens=max_new_tokens, stop_tokens=[], **kw).stats  # fmt: skip
-        # Leave out each sequence's last step: max_new_tokens cuts it short of its forecast.
         pairs = [(e, r) for er, rr in zip(s["expected_acceptance"], s["acceptance_lengths"])
                  for e, r in list(zip(er, rr))[:-1]]  # fmt: skip
-        forecast, realised = np.array(pairs).T
+        return np.array(pairs).T
+
+    def measure(t):
+        forecast, realised = steps(method, t, **kw)
         row = {"temperature": t, "mean_forecast": float(forecast.mean()),
                "mean_realised": float(realised.mean()),
                "mean_abs_error": float(np.abs(forecast - realised).mean()),
-               "steps": len(pairs)}  # fmt: skip
+               "steps": len(realised)}  # fmt: skip
         rows.append(row)
         log(f"t={t:<5.3g} forecast {row['mean_forecast']:.3f}  realised {row['mean_realised']:.3f}"
             f"  |error| {row['mean_abs_error']:.3f} over {row['steps']} steps")  # fmt: skip
@@ -67,10 +71,7 @@ def calibrate(target, drafter, prompts, *, method="ddtree", tree_budget=16,
         if m == method and budget == (tree_budget if method == "ddtree" else None):
             tau = best["mean_realised"]  # measured above
         else:
-            extra = {"tree_budget": budget} if budget else {}
-            s = kdj.generate(target, prompts, drafter=drafter, method=m, stop_tokens=[],
-                             max_new_tokens=max_new_tokens, **extra).stats  # fmt: skip
-            tau = float(np.mean([r for rr in s["acceptance_lengths"] for r in rr[:-1]]))
+            tau = float(steps(m, **({"tree_budget": budget} if budget else {}))[1].mean())
         name = f"tree{budget}" if budget else f"chain{drafter.cfg.block_size - 1}"
         by_entry[name] = tau
         log(f"{name}: realised tau {tau:.3f}")
