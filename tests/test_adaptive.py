@@ -180,6 +180,21 @@ def test_forecast_bias_correction_turns_a_judged_loss_into_drafting():
     assert bool(speculative.drafting_pays(shapes, fixed, active, cost, 100.0))
 
 
+def test_hysteresis_keeps_drafting_just_below_break_even():
+    """With slack, drafting 'pays' down to (1 - slack) of plain decoding's rate, and no
+    lower: the loop stays in its drafted steps through small dips of the running mean."""
+    shapes = tuple(DraftShape(*s) for s in (("none",), ("tree", 16)))
+    # a drafted step costs 1.77 plain steps: break-even at 1.77 tokens per step
+    cost = dataclasses.replace(StepCost.for_config(moonlight()), fixed_s=1.0, per_byte_s=0.0,
+                               per_flop_s=0.0, draft_fixed_s=0.77)  # fmt: skip
+    active = jnp.ones((1,), bool)
+    h = speculative.HYSTERESIS
+    for tau, strict, slack in ((1.80, True, True), (1.70, False, True), (1.50, False, False)):
+        gains = jnp.array([[1.0], [tau]])
+        assert bool(speculative.drafting_pays(shapes, gains, active, cost, 100.0)) == strict
+        assert bool(speculative.drafting_pays(shapes, gains, active, cost, 100.0, h)) == slack
+
+
 def test_the_menu_keeps_only_entries_that_can_pay_at_the_batch_size():
     """paying_menu prices each entry's drafted step (draft pass with its own tree + verify)
     against a plain step at the calibrated tokens per step: bandwidth-bound steps keep every
@@ -233,7 +248,7 @@ def scrambled_choice(shapes, gains, active, cost, context):
     return (_scramble(context + jnp.mean(gains), 1) % len(shapes)).astype(jnp.int32)
 
 
-def scrambled_pays(shapes, gains, active, cost, context):
+def scrambled_pays(shapes, gains, active, cost, context, slack=0.0):
     """Test double for the draft-or-skip decision: pseudo-random too, so runs mix plain steps
     that skip the drafter with drafted ones."""
     return _scramble(context, 7) % 4 != 0

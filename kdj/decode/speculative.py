@@ -112,11 +112,11 @@ def mean_context(lengths, active):
     return jnp.sum(jnp.where(active, lengths, 0)) / jnp.maximum(jnp.sum(active), 1)
 
 
-def drafting_pays(shapes, gains, active, cost, context):
+def drafting_pays(shapes, gains, active, cost, context, slack=0.0):
     """Whether a step that drafts (draft pass + the best verify of the menu) is expected to
     commit more tokens per second than a plain step that skips the drafter, judged from
-    expected tokens gains [S, B] (the loop passes its running mean, TREND_WEIGHT). Returns a
-    bool scalar."""
+    expected tokens gains [S, B] (the loop passes its running mean, TREND_WEIGHT); with
+    `slack`, more than (1 - slack) of it (HYSTERESIS). Returns a bool scalar."""
     B = gains.shape[1]
     total = jnp.sum(jnp.where(active[None], gains, 0.0), axis=1)
     draft_s = cost.draft_seconds(B, context, largest_tree(shapes))
@@ -126,7 +126,7 @@ def drafting_pays(shapes, gains, active, cost, context):
         if s.kind != "none"
     ]
     plain = jnp.sum(active) / cost.seconds(B, 1, context)
-    return jnp.max(jnp.stack(rates)) > plain
+    return jnp.max(jnp.stack(rates)) > plain * (1.0 - slack)
 
 
 # An entry stays on the menu only if it is predicted to beat plain decoding by more than
@@ -214,6 +214,13 @@ HITS_PRIOR = 4.0
 # on the CPU) the first draft after the prompt forecast 1.2 tokens against 1.8 later on, and
 # with the prior weighed as one step the H200 run took plain runs for 108 of 119 steps.
 TREND_WEIGHT = 0.125
+
+# Once drafting, the loop keeps drafting until the running mean says drafting is HYSTERESIS
+# behind plain decoding, not merely behind: leaving the drafted loop for a run of plain steps
+# and coming back costs ~2 ms at batch 1 on the H200 (run h), more than a mispredicted step.
+# (Traced on the CPU with run h's batch-1 prompt and the H200 cost file: without the slack
+# the loop drafted 16 of 116 steps, with it all 67, committing 1.90 tokens per step.)
+HYSTERESIS = 0.1
 
 
 def corrected(gains, hits):
@@ -384,7 +391,7 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
     def draft_due(c):
         """Draft when the running forecast says it pays, or when a probe is due."""
         active, context = active_context(c)
-        pays = drafting_pays(shapes, c["trend"], active, cost, context)
+        pays = drafting_pays(shapes, c["trend"], active, cost, context, HYSTERESIS)
         return pays | (c["since"] >= c["wait"])
 
     def plain_body(c):
@@ -432,7 +439,7 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         active, context = ops[1], ops[4]
         c = commit(c, drafted(*ops), active, ops[2])
         if can_skip:  # after a draft: back to short probes if drafting pays, else back off
-            pays_now = drafting_pays(shapes, c["trend"], active, cost, context)
+            pays_now = drafting_pays(shapes, c["trend"], active, cost, context, HYSTERESIS)
             later = probe_wait(shapes, cost, B, context, c["wait"])
             c = {**c, "wait": jnp.where(pays_now, PROBE_MIN, later), "since": jnp.int32(0)}
         return c
