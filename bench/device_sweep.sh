@@ -8,6 +8,10 @@
 #   stage 1: DDTree/DFlash/AR step time, Qwen3-8B shape (random weights and drafter)
 #   stage 2: Moonlight-shape target step times + step-cost fit (for bench/project_auto.py)
 #   moe:     routed-expert formulations for a handful of tokens (bench/expert_gather.py)
+#   gemv:    the Pallas gathered expert GEMV against XLA, bf16/INT4/FP8, with a tile sweep, and
+#            the Moonlight-shape decode loop profiled with it (no GGUF needed)
+#   gemv-slice: the 4-layer Moonlight and 3-layer Kimi-K2 slices, bf16 vs INT4 experts, at
+#            batch 1 (bench/roofline.py; the issue's INT4 acceptance row)
 #   skip:    profiles of the auto loop's plain steps against AR (bench/profile_step.py)
 #   attn:    the tree-attention kernel against XLA at batch 1 (bench/tree_attention.py)
 #   fit (after the copies; carry .traincache/data/eval_prompts.json): the real pair's fixed
@@ -43,6 +47,26 @@ moe)  # no GGUF needed: the routed-expert formulations at the Moonlight shape
     --out "$OUT/expert_gather.json"
   quiet python bench/profile_step.py --cases moonlight-16b-a3b:1:ar moonlight-16b-a3b:16:ar \
     --context 512 --steps 32 --out "$OUT/profile_moonlight.json"
+  ;;
+gemv)
+  quiet python bench/expert_gather.py --model moonlight-16b-a3b --assignments 6 16 48 96 \
+    --formats float int4 fp8 --tiles 128,64,4,3 128,32,4,3 64,128,4,3 256,64,8,3 \
+    --out "$OUT/expert_gather.json"
+  quiet python bench/profile_step.py --cases moonlight-16b-a3b:1:ar moonlight-16b-a3b:16:ar \
+    --context 512 --steps 32 --out "$OUT/profile_moonlight.json"
+  ;;
+gemv-int4)  # the INT4 kernel's tiles, then the Kimi-K2 slice bf16 vs INT4 at batch 1
+  quiet python bench/expert_gather.py --model moonlight-16b-a3b --assignments 6 48 \
+    --formats int4 --tiles 128,32,4,3 64,32,4,3 256,32,4,3 128,64,4,3 64,64,4,3 128,32,8,3 \
+    --out "$OUT/expert_gather_int4.json"
+  quiet python bench/roofline.py --models kimi-k2-slice --experts bf16 int4 --batches 1 \
+    --tokens 1 8 --moe-shapes 1x1 1x8 --repeats 5 --out "$OUT/roofline_kimi-slice.json"
+  ;;
+gemv-slice)
+  quiet python bench/roofline.py --models moonlight-16b-a3b --layers 4 --experts bf16 int4 \
+    --batches 1 4 --tokens 1 8 --moe-shapes 1x1 1x8 --repeats 5 --out "$OUT/roofline_moonlight-4L.json"
+  quiet python bench/roofline.py --models kimi-k2-slice --experts bf16 int4 --batches 1 \
+    --tokens 1 8 --moe-shapes 1x1 1x8 --repeats 5 --out "$OUT/roofline_kimi-slice.json"
   ;;
 skip)  # no GGUF needed: auto's plain steps against AR (issue 6's remaining gap; the batch-1
        # pair measured equal on 2026-11-29, batch 256 differed by the cache transposes)

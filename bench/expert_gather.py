@@ -1,24 +1,25 @@
-"""Routed-expert compute for a handful of tokens: which formulation streams the touched experts'
-weights at bandwidth? One MoE layer's experts at a model's shape (random bf16 weights).
+"""Routed-expert compute for a handful of tokens: does it stream the touched experts' weights
+at bandwidth? One MoE layer's experts at a model's shape (random weights), per expert format.
 
-A decode step at batch 1 routes each token to k experts; kdj gathers those experts' weights
-(kdj.models.deepseek.expert_swiglu_gathered). A profile of the Moonlight shape on the H200 put
-that gather at 237 us per layer for 6 experts (~0.3 TB/s) and the down projection's gather at
-22 us (~1.5 TB/s). The variants here differ only in how the weights are addressed:
+A decode step at small batch routes each token to k experts, and kdj reads only those
+experts (kdj.models.deepseek.expert_swiglu_gathered, through ExpertWeight.matvec). Variants:
 
-    gathered    kdj's current path: w[idx] gathers [A, D, 2, I] and [A, I, D], then einsums
-    unpinned    the same without the optimisation barrier after the gather
-    flat        gate_up viewed as [E, D * 2I] rows before the gather (one contiguous row each)
-    sliced      one dynamic slice + matvec per assignment (A static; XLA can feed a slice of
-                the stacked weights to the GEMM by address, without a copy)
-    ragged      jax.lax.ragged_dot over all E experts (the grouped-GEMM path)
+    kernel   the Pallas gathered GEMV (kdj/pallas/expert_gemv.py; what a GPU runs)
+    xla      the same layer with the kernel switched off: XLA gathers (and dequantises) the
+             experts, then one matvec each (the CPU path and the kernel's reference)
+    ragged   jax.lax.ragged_dot over all experts (the grouped-GEMM path, for many tokens)
 
-    python bench/expert_gather.py --model moonlight-16b-a3b --assignments 6 96 --out r.json
+and, with --tiles, the kernel alone on the gate/up matrix [E, D, 2I] for each tile setting
+"block_k,block_f,num_warps,num_stages" (block_k counts words for int4).
 
-Each variant runs `--iters` times inside one jitted fori_loop (no dispatch in the timing),
-with the expert ids shifted every call (loop-invariant ids would let XLA hoist the gather out
-of the loop; the runs of 2026-11-29 in BENCHMARKS.md predate this and kept the ids fixed);
-reported: us per call, the bytes of the distinct experts touched, and achieved TB/s.
+    python bench/expert_gather.py --model moonlight-16b-a3b --assignments 6 96 \\
+        --formats float int4 --out r.json
+
+Each case runs `--iters` times inside one jitted fori_loop (no dispatch in the timing), with
+the expert ids shifted every call (loop-invariant ids would let XLA hoist the gather out of
+the loop). Reported: us per call, the bytes of the distinct experts touched as stored (weights
++ scales), and achieved TB/s. (Earlier versions compared XLA formulations: pinned or unpinned
+gathers, dynamic slices; bench/results/expert_gather*_2026-11-29.json.)
 """
 
 from __future__ import annotations
@@ -26,81 +27,51 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kdj.checkpoints.quant import quant_fp8_stacked, quant_int4_stacked
 from kdj.config import ModelConfig, load_yaml
-from kdj.models.deepseek import expert_swiglu, expert_swiglu_gathered
+from kdj.models import deepseek
+from kdj.models.deepseek import ExpertWeight, expert_swiglu, expert_swiglu_gathered
+from kdj.pallas import expert_gemv
 
 
-def unpinned(x, weights, idx, w_gate_up, w_down):
-    """gathered without the optimisation barrier kdj puts after the gather (which stops XLA
-    from fusing the gather into its consumer)."""
-    N, k = idx.shape
-    flat = idx.reshape(-1)
-    xs = jnp.repeat(x, k, axis=0)
-    h = jnp.einsum("nd,ndci->nci", xs, w_gate_up[flat])
-    h = jax.nn.silu(h[:, 0]) * h[:, 1]
-    y = jnp.einsum("ni,nid->nd", h.astype(x.dtype), w_down[flat])
-    return (y.reshape(N, k, -1) * weights[..., None].astype(y.dtype)).sum(1).astype(x.dtype)
+def xla_gathered(*args):
+    """expert_swiglu_gathered with the Pallas kernel switched off (traced only in here)."""
+    keep = deepseek.gemv_kernel
+    deepseek.gemv_kernel = lambda w: False
+    try:
+        return expert_swiglu_gathered(*args)
+    finally:
+        deepseek.gemv_kernel = keep
 
 
-def flat_gathered(x, weights, idx, w_gate_up, w_down):
-    """gathered, with gate_up rows [E, D * 2 * I] so each gathered expert is one row."""
-    N, k = idx.shape
-    E, D, _, I = w_gate_up.shape
-    flat = idx.reshape(-1)
-    gu = w_gate_up.reshape(E, D * 2 * I)[flat].reshape(-1, D, 2, I)
-    xs = jnp.repeat(x, k, axis=0)
-    h = jnp.einsum("nd,ndci->nci", xs, gu)
-    h = jax.nn.silu(h[:, 0]) * h[:, 1]
-    y = jnp.einsum("ni,nid->nd", h.astype(x.dtype), w_down[flat])
-    return (y.reshape(N, k, -1) * weights[..., None].astype(y.dtype)).sum(1).astype(x.dtype)
+VARIANTS = {"kernel": expert_swiglu_gathered, "xla": xla_gathered, "ragged": expert_swiglu}
 
 
-def sliced(x, weights, idx, w_gate_up, w_down):
-    """One dynamic slice of each stacked weight per assignment (A is static and small)."""
-    N, k = idx.shape
-    out = jnp.zeros_like(x, dtype=jnp.float32)
-    for t in range(N):
-        for j in range(k):
-            e = idx[t, j]
-            gu = jax.lax.dynamic_index_in_dim(w_gate_up, e, keepdims=False)  # [D, 2, I]
-            h = jnp.einsum("d,dci->ci", x[t], gu, preferred_element_type=jnp.float32)
-            h = (jax.nn.silu(h[0]) * h[1]).astype(x.dtype)
-            wd = jax.lax.dynamic_index_in_dim(w_down, e, keepdims=False)  # [I, D]
-            y = jnp.dot(h, wd, preferred_element_type=jnp.float32)
-            out = out.at[t].add(weights[t, j] * y)
-    return out.astype(x.dtype)
+def stored_bytes(w: ExpertWeight, experts: int) -> int:
+    """Bytes of `experts` experts of w as held in HBM (weights + scales)."""
+    per = w.value[0].nbytes + (0 if w.scale is None else w.scale[0].nbytes)
+    return experts * per
 
 
-VARIANTS = {
-    "gathered": expert_swiglu_gathered,
-    "unpinned": unpinned,
-    "flat": flat_gathered,
-    "sliced": sliced,
-    "ragged": expert_swiglu,
-}
-
-
-def time_variant(fn, x, weights, idx, wgu, wd, iters: int) -> float:
-    """Seconds per call, from `iters` calls chained in one jitted loop."""
-
-    E = wgu.shape[0]
+def seconds_per_call(fn, x, iters: int, *operands) -> float:
+    """fn(x, ids_shift, *operands) -> like x, chained `iters` times in one jitted loop."""
 
     @jax.jit
-    def loop(x, weights, idx, wgu, wd):
+    def loop(x, *operands):
         def body(i, x):
-            # other experts every call: loop-invariant ids would let XLA hoist the gather
-            return x + 1e-3 * fn(x, weights, (idx + i) % E, wgu, wd)
+            return x + 1e-3 * fn(x, i, *operands).astype(x.dtype)
 
         return jax.lax.fori_loop(0, iters, body, x)
 
-    jax.block_until_ready(loop(x, weights, idx, wgu, wd))  # compile + warm
+    jax.block_until_ready(loop(x, *operands))  # compile + warm
     t0 = time.perf_counter()
-    jax.block_until_ready(loop(x, weights, idx, wgu, wd))
+    jax.block_until_ready(loop(x, *operands))
     return (time.perf_counter() - t0) / iters
 
 
@@ -108,12 +79,13 @@ def main(argv=None) -> list:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="moonlight-16b-a3b", help="configs/models name or YAML")
     p.add_argument("--assignments", nargs="+", type=int, default=[6, 96])
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    p.add_argument("--formats", nargs="+", default=["float"], choices=expert_gemv.FORMATS)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--tiles", nargs="*", default=[], help="kernel tile settings to sweep: "
+                   "block_k,block_f,num_warps,num_stages")  # fmt: skip
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out")
     args = p.parse_args(argv)
-    from pathlib import Path
-
     path = Path(args.model)
     if not path.exists():
         path = Path(__file__).resolve().parent.parent / "configs" / "models" / f"{args.model}.yaml"
@@ -123,31 +95,70 @@ def main(argv=None) -> list:
     keys = jax.random.split(jax.random.key(0), 4)
     wgu = (jax.random.normal(keys[0], (E, D, 2, I), jnp.float32) * 0.02).astype(jnp.bfloat16)
     wd = (jax.random.normal(keys[1], (E, I, D), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "model": args.model,
+            "date": time.strftime("%Y-%m-%d"), "E": E, "D": D, "I": I, "k": k}  # fmt: skip
     rows = []
-    for A in args.assignments:
-        N = max(1, A // k)
-        rng = np.random.default_rng(A)
-        idx = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(N)]), jnp.int32)
-        x = jax.random.normal(keys[2], (N, D), jnp.bfloat16)
-        weights = jax.nn.softmax(jax.random.normal(keys[3], (N, k)), axis=-1)
-        touched = len(np.unique(np.asarray(idx)))
-        nbytes = touched * 3 * D * I * 2
-        for name in args.variants:
-            if name == "sliced" and N * k > 32:
-                continue  # unrolled per assignment: only for a handful
-            try:
-                s = time_variant(VARIANTS[name], x, weights, idx, wgu, wd, args.iters)
-                row = {"assignments": N * k, "touched": touched, "variant": name,
-                       "us": s * 1e6, "TBps": nbytes / s / 1e12}  # fmt: skip
-            except Exception as e:  # noqa: BLE001 - a variant that fails to lower is a result
-                row = {"assignments": N * k, "variant": name, "error": repr(e)[:300]}
-            rows.append(row)
-            print(row, flush=True)
-            if args.out:
-                meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                        "model": args.model, "date": time.strftime("%Y-%m-%d")}  # fmt: skip
-                Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+    def record(row):
+        rows.append(row)
+        print(row, flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+    for fmt in args.formats:
+        experts = [ExpertWeight(wgu), ExpertWeight(wd)]
+        if fmt != "float":
+            quant = quant_int4_stacked if fmt == "int4" else quant_fp8_stacked
+            experts = [ExpertWeight(*jax.jit(quant)(w.value), fmt) for w in experts]
+        for A in args.assignments:
+            for row in case(experts, fmt, A, k, keys, args):
+                record(row)
     return rows
+
+
+def case(experts, fmt: str, A: int, k: int, keys, args):
+    """Rows for A assignments (A // k tokens, k distinct experts each) in one format."""
+    wgu = experts[0]
+    E, D = wgu.value.shape[0], wd_width(experts)
+    N = max(1, A // k)
+    rng = np.random.default_rng(A)
+    idx = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(N)]), jnp.int32)
+    x = jax.random.normal(keys[2], (N, D), jnp.bfloat16)
+    weights = jax.nn.softmax(jax.random.normal(keys[3], (N, k)), axis=-1)
+    touched = len(np.unique(np.asarray(idx)))
+    base = {"format": fmt, "assignments": N * k, "touched": touched}
+
+    def timed(name, nbytes, fn, *operands):
+        row = {**base, "variant": name, "bytes": nbytes}
+        try:
+            s = seconds_per_call(fn, x, args.iters, *operands)
+            return {**row, "us": s * 1e6, "TBps": nbytes / s / 1e12}
+        except Exception as e:  # noqa: BLE001 - a variant that fails to lower is a result
+            return {**row, "error": repr(e)[:300]}
+
+    nbytes = sum(stored_bytes(w, touched) for w in experts)
+    for name in args.variants:
+        fn = VARIANTS[name]
+        yield timed(name, nbytes, lambda x, i, w, gu, d, fn=fn: fn(x, w, (idx + i) % E, gu, d),
+                    weights, *experts)  # fmt: skip
+    # the kernel alone on gate/up [E, D, 2I], per tile setting: bytes are gate/up's share
+    value = wgu.value.reshape(E, wgu.value.shape[1], -1)
+    scale = None if wgu.scale is None else wgu.scale.reshape(E, wgu.scale.shape[1], -1)
+    xs, flat = jnp.repeat(x, k, axis=0), idx.reshape(-1)
+    for tiles in args.tiles:
+        bk, bf, nw, ns = (int(t) for t in tiles.split(","))
+        opts = dict(block_k=bk, block_f=bf, num_warps=nw, num_stages=ns)
+
+        def gemv(x, i, v, s, opts=opts):
+            y = expert_gemv.expert_gemv(xs, (flat + i) % E, v, s, fmt, **opts)
+            return y[::k].mean(axis=1, keepdims=True)  # [N, 1]: broadcasts to x
+
+        yield timed(f"gemv_gate_up[{tiles}]", stored_bytes(wgu, touched), gemv, value, scale)
+
+
+def wd_width(experts) -> int:
+    """The model width D: the down projection's output columns."""
+    return experts[1].value.shape[-1]
 
 
 if __name__ == "__main__":

@@ -62,3 +62,27 @@ def test_roofline_smoke(tmp_path):
         cost = StepCost.load(tmp_path / f"cost_tiny-moe_{fmt}.json")
         assert cost.moe_layers == 1 and cost.num_experts == 16
         assert min(cost.fixed_s, cost.per_byte_s, cost.per_flop_s) >= 0
+
+
+def test_expert_gather_smoke(tmp_path):
+    """bench/expert_gather.py: every variant and a kernel tile setting run in bf16 and INT4
+    (the kernel interpreted on CPU) and count the bytes of the touched experts as stored.
+    (FP8's 128 x 128 blocks do not fit this tiny shape; tests/test_moe.py covers its kernel.)"""
+    import importlib.util
+    from pathlib import Path
+
+    cfg = tmp_path / "tiny-moe.yaml"
+    cfg.write_text(TINY_MOE)
+    path = Path(__file__).resolve().parent.parent / "bench" / "expert_gather.py"
+    spec = importlib.util.spec_from_file_location("expert_gather", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "eg.json"
+    args = ["--model", str(cfg), "--assignments", "4", "--formats", "float", "int4",
+            "--tiles", "8,32,4,2", "--iters", "1", "--out", str(out)]  # fmt: skip
+    rows = bench.main(args)
+    assert json.loads(out.read_text())["rows"] == rows
+    assert all("error" not in r and r["us"] > 0 for r in rows), rows
+    by = {(r["format"], r["variant"]): r for r in rows}
+    assert set(v for _, v in by) == {"kernel", "xla", "ragged", "gemv_gate_up[8,32,4,2]"}
+    assert by["int4", "kernel"]["bytes"] < by["float", "kernel"]["bytes"] / 3

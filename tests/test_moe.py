@@ -1,5 +1,6 @@
 """MoE routing and expert compute: both expert paths agree with a dense per-expert loop, and
-with experts kept quantised (INT4, FP8) they compute what their dequantised weights do."""
+with experts kept quantised (INT4, FP8) they compute what their dequantised weights do; the
+Pallas gathered GEMV (run interpreted here) computes what the XLA gather does."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import numpy as np
 import pytest
 
 from kdj.checkpoints.quant import quant_fp8_stacked, quant_int4_stacked
+from kdj.models import deepseek
 from kdj.models.deepseek import ExpertWeight, expert_swiglu, expert_swiglu_gathered
+from kdj.pallas import expert_gemv
 
 
 def dense_reference(x, w, idx, wg, wu, wd):
@@ -59,3 +62,63 @@ def test_quantised_experts_match_their_dequantised_weights(fn, fmt, tokens):
     want = np.asarray(fn(x, w, jnp.asarray(idx), *dense))
     got = np.asarray(jax.jit(fn)(x, w, jnp.asarray(idx), *q))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def quantised(w, fmt):
+    """(value, scale) of float experts w [E, in, *out] kept in fmt (FP8 blocks of 16)."""
+    if fmt == "int4":
+        return quant_int4_stacked(w, scale_dtype=jnp.bfloat16)
+    if fmt == "fp8":
+        return quant_fp8_stacked(w, block=16)
+    return w, None
+
+
+@pytest.mark.parametrize("fmt", ["float", "int4", "fp8"])
+@pytest.mark.parametrize("K, F", [(64, 48), (96, 80), (256, 128)])  # ragged and whole tiles
+def test_gemv_kernel_matches_the_xla_gather(fmt, K, F):
+    """The kernel reads each assignment's expert as stored; tiles smaller than the matrix
+    (block_k 32 / 8 words, block_f 32) make K and F run over several tiles, ragged where they
+    do not divide."""
+    if fmt == "fp8" and (K % 16 or F % 16):
+        pytest.skip("fp8 needs whole 16 x 16 blocks")
+    rng = np.random.default_rng(K + F)
+    E, n = 5, 7
+    w = jnp.asarray(rng.standard_normal((E, K, F)) * 0.1, jnp.bfloat16)
+    value, scale = quantised(w, fmt)
+    x = jnp.asarray(rng.standard_normal((n, K)), jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(0, E, n), jnp.int32)
+    tiles = dict(block_k=8 if fmt == "int4" else 32, block_f=32)
+    got = expert_gemv.expert_gemv(x, ids, value, scale, fmt, interpret=True, **tiles)
+    want = expert_gemv.reference(x, ids, value, scale, fmt)
+    assert got.shape == (n, F) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+
+
+def test_gemv_kernel_refuses_mismatched_weights():
+    x = jnp.zeros((2, 64), jnp.bfloat16)
+    ids = jnp.zeros((2,), jnp.int32)
+    with pytest.raises(ValueError, match="do not match inputs of width 64"):
+        expert_gemv.expert_gemv(x, ids, jnp.zeros((3, 32, 16), jnp.bfloat16), interpret=True)
+    with pytest.raises(ValueError, match="expert format"):
+        expert_gemv.expert_gemv(x, ids, jnp.zeros((3, 64, 16)), None, "int8", interpret=True)
+
+
+@pytest.mark.parametrize("fmt", ["float", "int4", "fp8"])
+def test_gathered_experts_through_the_kernel_match_the_dense_loop(fmt, monkeypatch):
+    """expert_swiglu_gathered with ExpertWeight.matvec on the kernel (as on a GPU) computes
+    the SwiGLU experts of the dequantised weights: gate/up [E, D, 2, I] flattened to 2I
+    columns (their scales likewise), down [E, I, D]."""
+    monkeypatch.setattr(deepseek, "gemv_kernel", lambda w: True)
+    rng = np.random.default_rng(3)
+    E, D, I, k, tokens = 6, 64, 32, 2, 3
+    x = jnp.asarray(rng.standard_normal((tokens, D)), jnp.float32)
+    idx = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(tokens)]), jnp.int32)
+    w = jnp.asarray(rng.random((tokens, k)), jnp.float32)
+    wgu = jnp.asarray(rng.standard_normal((E, D, 2, I)), jnp.float32)
+    wd = jnp.asarray(rng.standard_normal((E, I, D)), jnp.float32)
+    q = [ExpertWeight(*quantised(a, fmt), fmt) for a in (wgu, wd)]
+    dense = [np.asarray(a.dense(jnp.float32)) for a in q]
+    wg, wu = dense[0][:, :, 0], dense[0][:, :, 1]
+    want = dense_reference(np.asarray(x), np.asarray(w), np.asarray(idx), wg, wu, dense[1])
+    got = np.asarray(expert_swiglu_gathered(x, w, idx, *q))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,7 @@ from kdj.models.layers import (
     softmax_scale,
     zeros,
 )
+from kdj.pallas import expert_gemv
 
 
 class MLAAttention(nnx.Module):
@@ -152,11 +154,34 @@ class ExpertWeight:
         value, scale = jax.lax.optimization_barrier((self.value[ids], scale))
         return dequant_stacked(self.fmt, value, scale, dtype)
 
+    def matvec(self, x, ids):
+        """Rows x [n, in] through one expert each, ids [n]: [n, *out] float32. Only the
+        selected experts are read. On GPU the Pallas gathered GEMV reads them as stored and
+        dequantises in registers (kdj/pallas/expert_gemv.py); elsewhere XLA gathers and
+        dequantises them first (`take`), the reference the kernel is tested against."""
+        E, rows, *out = self.value.shape
+        if not gemv_kernel(self):
+            w = self.take(ids, x.dtype)
+            return jnp.einsum("nd,nd...->n...", x, w, preferred_element_type=jnp.float32)
+        value = self.value.reshape(E, rows, math.prod(out))
+        scale = None if self.scale is None else self.scale.reshape(*self.scale.shape[:2], -1)
+        y = expert_gemv.expert_gemv(x, ids, value, scale, self.fmt)
+        return y.reshape(len(ids), *out)
+
     def dense(self, dtype):
         """All experts, dequantised: [E, in, *out] (float weights are returned as they are)."""
         if self.fmt == "float":
             return self.value
         return dequant_stacked(self.fmt, self.value, self.scale, dtype)
+
+
+def gemv_kernel(w: ExpertWeight) -> bool:
+    """Whether `ExpertWeight.matvec` runs the Pallas kernel: on GPU, for the shapes it takes.
+    Decided at trace time."""
+    E, rows, *out = w.value.shape
+    K = rows * 8 if w.fmt == "int4" else rows
+    scale = None if w.scale is None else (*w.scale.shape[:2], math.prod(w.scale.shape[2:]))
+    return jax.default_backend() == "gpu" and expert_gemv.supported(w.fmt, K, math.prod(out), scale)
 
 
 def touched_experts(flat, size: int):
@@ -206,10 +231,10 @@ def expert_swiglu_gathered(x, weights, idx, w_gate_up, w_down):
     N, k = idx.shape
     flat = idx.reshape(-1)
     xs = jnp.repeat(x, k, axis=0)  # [N*k, D], assignment j belongs to token j // k
-    h = jnp.einsum("nd,ndci->nci", xs, wgu.take(flat, x.dtype))
+    h = wgu.matvec(xs, flat)  # [N*k, 2, I] float32
     h = jax.nn.silu(h[:, 0]) * h[:, 1]
-    y = jnp.einsum("ni,nid->nd", h.astype(x.dtype), wd.take(flat, x.dtype))
-    y = y.reshape(N, k, -1) * weights[..., None].astype(y.dtype)
+    y = wd.matvec(h.astype(x.dtype), flat)  # [N*k, D] float32
+    y = y.reshape(N, k, -1) * weights[..., None]
     return y.sum(1).astype(x.dtype)
 
 
