@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md's speculative sections, in three stages that fit the
 # device tool's 10-minute calls (run them back to back: $HOME survives while the machine is
-# held). Each stage brings a third of SmolLM2's 98 MB GGUF (split -b 33000000 -d into
-# .carry/smol.part00..02): a call carries 64 MiB and the repository is already 31 MiB.
+# held). Each stage brings a quarter of SmolLM2's 98 MB GGUF (split -b 24600000 -d into
+# .carry/smol.part00..03): a call carries 64 MiB and the repository is already 33 MiB.
 #
-#   copy    (carry .whl and one .carry/smol.partNN; three calls): the GGUF into $HOME
+#   copy    (carry .whl and one .carry/smol.partNN; four calls): the GGUF into $HOME
 #   stage 1: DDTree/DFlash/AR step time, Qwen3-8B shape (random weights and drafter)
 #   stage 2: Moonlight-shape target step times + step-cost fit (for bench/project_auto.py)
 #   moe:     routed-expert formulations for a handful of tokens (bench/expert_gather.py)
