@@ -1,0 +1,76 @@
+"""Does the drafter accept at generation time what its training forward says it would?
+
+On held-out prompts: greedy AR text, then the training forward (kdj.train.forward) drafts a
+block at EVERY position of that text, teacher-forced; each position's accepted length is the
+run of drafts matching the text. Replaying those lengths as a chain (anchor, accept k, next
+anchor k + 1 further on) must give the DFlash generation's tau on the same prompts, up to the
+last step's cut; a gap would be a train/inference mismatch (features, positions, masks).
+Also printed: the mean over all positions (what training's `tau` metric estimates).
+
+    python bench/train_vs_generation.py --num-prompts 6 --new 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax.numpy as jnp
+import numpy as np
+
+import kdj
+from kdj.train.forward import drafter_blocks
+from kdj.train.loop import chat_prompts
+
+
+def accepted_lengths(target, drafter, prompt, text, b: int) -> np.ndarray:
+    """Drafts accepted from each position p of the response (anchor = token p), teacher-forced."""
+    seq = list(prompt) + list(text)
+    padded = seq + [0] * b  # room for the last blocks' labels
+    feats = kdj.api.hidden_states(target, [padded], drafter.cfg.target_layer_ids)
+    feats = jnp.asarray(feats).reshape(1, len(padded), -1)
+    anchors = jnp.arange(len(prompt), len(seq), dtype=jnp.int32)[None]
+    tokens = jnp.asarray([padded])
+    h = drafter_blocks(drafter.model, target.model.embed[...], feats, tokens, anchors)
+    pred = np.asarray(jnp.argmax(target.model.logits(h[:, :, 1:]), -1))[0]  # [N, b - 1]
+    truth = np.array(seq + [-1] * b)
+    return np.array([np.cumprod(pred[i] == truth[a + 1 : a + b]).sum()
+                     for i, a in enumerate(range(len(prompt), len(seq)))])  # fmt: skip
+
+
+def chain_tau(lengths: np.ndarray) -> float:
+    """Tokens per step of a chain that accepts lengths[p] drafts at anchor p (+1 bonus)."""
+    p = steps = made = 0
+    while p < len(lengths) - 1:
+        steps, made, p = steps + 1, made + lengths[p] + 1, p + lengths[p] + 1
+    return made / max(steps, 1)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--drafter", default="smollm2-135m-dflash-b16")
+    ap.add_argument("--prompts", default=".traincache/data/eval_prompts.json")
+    ap.add_argument("--num-prompts", type=int, default=6)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--dtype", default="float32")
+    args = ap.parse_args(argv)
+    target = kdj.load_target("smollm2-135m-instruct", dtype=args.dtype)
+    drafter = kdj.load_drafter(args.drafter, target=target)
+    held = json.load(open(args.prompts))["sharegpt"][: args.num_prompts]
+    prompts = chat_prompts(target.tokenizer, held, 512)
+    kw = dict(max_new_tokens=args.new, stop_tokens=[])
+    ar = kdj.generate(target, prompts, method="ar", **kw)
+    gen = kdj.generate(target, prompts, drafter=drafter, method="dflash", **kw)
+    b = drafter.cfg.block_size
+    lengths = [accepted_lengths(target, drafter, p, t, b) for p, t in zip(prompts, ar.tokens)]
+    out = {
+        "generation_tau": gen.stats["mean_acceptance"],
+        "replayed_chain_tau": float(np.mean([chain_tau(x) for x in lengths])),
+        "mean_over_positions": float(np.mean([x.mean() + 1 for x in lengths])),
+    }
+    print(out)
+    return out
+
+
+if __name__ == "__main__":
+    main()
