@@ -4,5 +4,10 @@
   (prefix < start plus a [T, T] tree), flash style with split-K, Triton lowering; chosen
   per shape by ``kdj.models.layers.attend`` / ``attend_latent`` on GPU.
 
-Kernels are chosen by measurement on the H200 (bench/); MoE expert GEMMs are still XLA.
+* ``expert_gemv``: the gathered expert matvec of MoE decode at small batch (one assignment
+  = one expert's weights read as stored, bf16 / INT4 / FP8 dequantised in registers); used by
+  ``kdj.models.deepseek.ExpertWeight.matvec`` on GPU.
+
+Kernels are chosen by measurement on the H200 (bench/); grouped expert GEMMs for many tokens
+are still XLA's ``ragged_dot``.
 """
