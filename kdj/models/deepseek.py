@@ -159,14 +159,17 @@ class ExpertWeight:
         selected experts are read. On GPU the Pallas gathered GEMV reads them as stored and
         dequantises in registers (kdj/pallas/expert_gemv.py); elsewhere XLA gathers and
         dequantises them first (`take`), the reference the kernel is tested against."""
-        E, rows, *out = self.value.shape
         if not gemv_kernel(self):
             w = self.take(ids, x.dtype)
             return jnp.einsum("nd,nd...->n...", x, w, preferred_element_type=jnp.float32)
-        value = self.value.reshape(E, rows, math.prod(out))
-        scale = None if self.scale is None else self.scale.reshape(*self.scale.shape[:2], -1)
-        y = expert_gemv.expert_gemv(x, ids, value, scale, self.fmt)
-        return y.reshape(len(ids), *out)
+        y = expert_gemv.expert_gemv(x, ids, *self.matrix(), self.fmt)
+        return y.reshape(len(ids), *self.value.shape[2:])
+
+    def matrix(self):
+        """(value [E, in(/8), F], scale [E, in/g, F'] or None): the output axes flattened, as
+        the Pallas expert kernels take them (a free reshape of the stored arrays)."""
+        value = self.value.reshape(*self.value.shape[:2], -1)
+        return value, None if self.scale is None else self.scale.reshape(*self.scale.shape[:2], -1)
 
     def dense(self, dtype):
         """All experts, dequantised: [E, in, *out] (float weights are returned as they are)."""

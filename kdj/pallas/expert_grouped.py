@@ -1,0 +1,171 @@
+"""Grouped expert matmul in Pallas (Triton lowering): y[a] = x[a] @ W[ids[a]] for many
+assignments, reading each touched expert's weights once per block of its rows.
+
+    x [n, K] (one row per token-expert assignment), ids [n] int32, W [E, K, F] as held
+    (kdj/checkpoints/quant.py: "float", "int4" or "fp8", as in expert_gemv.py)
+    ->  y [n, F] float32.
+
+Layout. The assignments are sorted by expert and each expert's rows padded to a multiple of
+bm (`blocks`): row block b holds up to bm rows of one expert, block_expert[b]. One program
+owns (row block, tile of bf columns) and walks K in tiles of bk: a [bm, bk] tile of the
+block's input rows (gathered by row index) times the expert's [bk, bf] weight tile on the
+tensor cores, accumulated in float32. An expert with at most bm rows (a 16-token verify at
+batch 1: ~1.6 rows per touched expert on Moonlight) is read exactly once; at large batch
+the weight tile is reused by all bm rows. Blocks past the last expert's are empty (their
+loop runs zero times). Quantised weights are dequantised tile by tile in registers:
+  * int4: the bk inputs of a tile are 8 interleaved planes of bk / 8 words (input 8 r + j is
+    nibble j of word r); the input rows are passed de-interleaved the same way (xt[8 a + j,
+    r] = x[a, 8 r + j]), so the tile is 8 dots of K = bk / 8, one per nibble plane, each
+    scaled by its words' group scales (contiguous rows, repeated in registers).
+  * fp8: a tile never straddles a scale block, so it has one scale.
+
+Status: measured against XLA's ragged_dot by bench/expert_gather.py (variant "grouped");
+the MoE layer keeps ragged_dot until that measurement says otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kdj.pallas.expert_gemv import _MAGIC, _MAGIC_BIAS, FORMATS
+
+
+def blocks(ids, num_experts: int, bm: int):
+    """Row blocks of the assignments grouped by expert (static sizes, traced values).
+
+    ids [n] int32. Returns (rows [nb * bm] int32: the assignment in each padded row, -1 for
+    padding; block_expert [nb] int32: each block's expert, -1 for unused blocks), with
+    nb = ceil(n / bm) + min(n, E): each expert with rows adds at most one partial block."""
+    n = ids.shape[0]
+    nb = pl.cdiv(n, bm) + min(n, num_experts)
+    counts = jnp.bincount(ids, length=num_experts)
+    padded = pl.cdiv(counts, bm) * bm
+    ends = jnp.cumsum(padded)
+    order = jnp.argsort(ids, stable=True)
+    sorted_ids = ids[order]
+    first_of_expert = jnp.cumsum(counts) - counts
+    rank = jnp.arange(n) - first_of_expert[sorted_ids]  # row within its expert
+    dest = (ends - padded)[sorted_ids] + rank
+    rows = jnp.full((nb * bm,), -1, jnp.int32).at[dest].set(order.astype(jnp.int32))
+    start = jnp.arange(nb) * bm
+    expert = jnp.searchsorted(ends, start, side="right").astype(jnp.int32)
+    return rows, jnp.where(start < ends[-1], expert, -1)
+
+
+def _kernel(be_ref, rows_ref, x_ref, w_ref, *rest, fmt, K, F, bm, bk, bf, wpg, block):
+    """One (row block, column tile) program; see the module docstring. K: inputs."""
+    s_ref, o_ref = (None, rest[0]) if fmt == "float" else rest
+    b, j = pl.program_id(0), pl.program_id(1)
+    e = be_ref[b]
+    rows = rows_ref[pl.ds(b * bm, bm)]
+    row_ok = (rows >= 0)[:, None]
+    r = jnp.maximum(rows, 0)
+    f0 = j * bf
+    cols = f0 + jnp.arange(bf)
+    col_ok = (cols < F)[None, :] if F % bf else None
+    ee = jnp.maximum(e, 0)
+
+    def w_tile(k0, n_rows):
+        return w_ref.at[ee, pl.ds(k0, n_rows), pl.ds(f0, bf)]
+
+    def load_w(k0, n_rows):
+        ref = w_tile(k0, n_rows)
+        return plgpu.load(ref, mask=col_ok, other=0) if col_ok is not None else plgpu.load(ref)
+
+    def body(t, acc):
+        if fmt == "int4":
+            kw = bk // 8  # words per tile
+            w = load_w(t * kw, kw).astype(jnp.int32)  # [kw, bf]
+            G = kw // wpg
+            scale = s_ref[ee, t * G + jnp.arange(G)[:, None], jnp.minimum(cols, F - 1)[None, :]]
+            scale = jnp.broadcast_to(scale.astype(jnp.float32)[:, None, :], (G, wpg, bf))
+            scale = scale.reshape(kw, bf)
+            words = t * kw + jnp.arange(kw)
+            for n in range(8):  # nibble plane n: inputs 8 r + n of the tile's words r
+                xn = x_ref[(r * 8 + n)[:, None], words[None, :]]  # [bm, kw]
+                xn = jnp.where(row_ok, xn, 0).astype(jnp.bfloat16)
+                bits = ((w >> (4 * n)) & 0xF) | _MAGIC
+                u = (lax.bitcast_convert_type(bits, jnp.float32) - _MAGIC_BIAS) * scale
+                acc += plgpu.dot(xn, u.astype(jnp.bfloat16)).astype(jnp.float32)
+            return acc
+        ks = t * bk + jnp.arange(bk)
+        xt = jnp.where(row_ok, x_ref[r[:, None], ks[None, :]], 0)  # [bm, bk]
+        w = load_w(t * bk, bk).astype(jnp.float32)
+        if fmt == "fp8":
+            w = w * s_ref[ee, (t * bk) // block, f0 // block].astype(jnp.float32)
+        dt = x_ref.dtype if x_ref.dtype != jnp.float32 else jnp.float32
+        prec = lax.Precision.HIGHEST if dt == jnp.float32 else None
+        return acc + plgpu.dot(xt.astype(dt), w.astype(dt), precision=prec).astype(jnp.float32)
+
+    n_tiles = jnp.where(e >= 0, K // bk, 0)  # empty blocks do no work
+    acc = lax.fori_loop(0, n_tiles, body, jnp.zeros((bm, bf), jnp.float32))
+    o_ref[...] = acc
+
+
+def supported(fmt: str, K: int, F: int, scale_shape=None, bk: int = 128) -> bool:
+    """Whether the kernel takes a [E, K, F] matrix in `fmt` (K: inputs) with K tiles of bk."""
+    if K % bk:
+        return False
+    if fmt == "int4":
+        if scale_shape is None or K % scale_shape[1]:
+            return False
+        wpg = K // scale_shape[1] // 8
+        return wpg >= 1 and wpg & (wpg - 1) == 0 and (bk // 8) % wpg == 0
+    if fmt == "fp8":
+        b = K // scale_shape[1] if scale_shape is not None else 0
+        return b >= bk and b % bk == 0 and F // scale_shape[2] == b
+    return fmt == "float"
+
+
+def expert_grouped(x, ids, value, scale=None, fmt: str = "float", *,
+                   interpret: bool | None = None, block_m: int = 16, block_k: int = 128,
+                   block_f: int = 64, num_warps: int = 4, num_stages: int = 3):  # fmt: skip
+    """y[a] = x[a] @ W[ids[a]] (see the module docstring). x [n, K]; ids [n] int32; value,
+    scale: an expert matrix as stored, 3-D [E, K(/8), F]. Returns [n, F] float32.
+    interpret: run in Pallas' interpreter (default: everywhere but on a GPU)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"expert format must be one of {FORMATS}, not {fmt!r}")
+    n, K = x.shape
+    E, rows_w, F = value.shape
+    if rows_w * (8 if fmt == "int4" else 1) != K:
+        raise ValueError(f"expert weights {value.shape} ({fmt}) do not match inputs of width {K}")
+    bk = min(block_k, K & -K)  # K tiles must divide K: at most its largest power-of-two factor
+    sshape = None if scale is None else scale.shape
+    if not supported(fmt, K, F, sshape, bk):
+        raise ValueError(f"{fmt} weights {value.shape} do not tile by K tiles of {bk}")
+    bm, bf = block_m, min(block_f, bk) if fmt == "fp8" else block_f
+    rows, be = blocks(ids, E, bm)
+    nb, nf = be.shape[0], pl.cdiv(F, bf)
+    wpg = rows_w // scale.shape[1] if fmt == "int4" else 0
+    block = K // scale.shape[1] if fmt == "fp8" else 0
+    xin = x if fmt != "int4" else x.reshape(n, K // 8, 8).transpose(0, 2, 1).reshape(n * 8, -1)
+    kernel = functools.partial(_kernel, fmt=fmt, K=K, F=F, bm=bm, bk=bk, bf=bf, wpg=wpg,
+                               block=block)  # fmt: skip
+    ins = [be, rows, xin, value] + ([] if fmt == "float" else [scale])
+    full = [pl.BlockSpec(a.shape, lambda i, j, d=a.ndim: (0,) * d) for a in ins]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
+        y = pl.pallas_call(
+            kernel,
+            grid=(nb, nf),
+            in_specs=full,
+            out_specs=pl.BlockSpec((bm, bf), lambda i, j: (i, j)),
+            out_shape=jax.ShapeDtypeStruct((nb * bm, nf * bf), jnp.float32),
+            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+            interpret=jax.default_backend() != "gpu" if interpret is None else interpret,
+            name=f"expert_grouped_{fmt}",
+        )(*ins)
+    # padded rows back to assignment order: assignment a sits in the row holding a
+    slot = jnp.where(rows >= 0, rows, n)  # padding rows point past the end: dropped
+    row_of = jnp.zeros((n,), jnp.int32).at[slot].set(jnp.arange(nb * bm), mode="drop")
+    return y[row_of, :F]
+
+
+__all__ = ["blocks", "expert_grouped", "supported"]
