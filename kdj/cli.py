@@ -129,6 +129,8 @@ def cmd_train_drafter(args) -> int:
         cfg.optim.max_minutes = args.max_minutes
     if args.init_from is not None:
         cfg.drafter.init_from = args.init_from or None  # "" trains from random weights
+    if args.num_layers is not None:
+        cfg.drafter.num_layers = args.num_layers
     run_training(cfg)
     return 0
 
@@ -222,6 +224,7 @@ def main(argv=None) -> int:
         help="override drafter.init_from: a DFlash drafter dir or built-in name to continue "
         'training from ("" for random init)',
     )
+    t.add_argument("--num-layers", type=int, help="override drafter.num_layers (ablations)")
     t.set_defaults(fn=cmd_train_drafter)
     e = sub.add_parser("eval-acceptance", help="tau and speed of DFlash / DDTree vs AR")
     e.add_argument("--drafter", required=True, help="DFlash drafter checkpoint dir")

@@ -58,3 +58,18 @@ def test_generate_with_a_drafter_prints_acceptance(tmp_path, capsys, flags, expe
     out = capsys.readouterr().out
     assert "The capital of Australia is Canberra." in out
     assert "histogram" in out and expect in out
+
+
+def test_train_drafter_overrides_reach_the_config(monkeypatch):
+    """train-drafter's flags override the YAML's fields before training starts."""
+    import kdj.train.loop
+
+    seen = {}
+    monkeypatch.setattr(kdj.train.loop, "run_training", lambda cfg: seen.setdefault("cfg", cfg))
+    args = ["train-drafter", "--config", "configs/train/smollm2-b16-ablate.yaml", "--steps",
+            "7", "--num-layers", "2", "--init-from", "", "--out-dir", "out/x"]  # fmt: skip
+    assert main(args) == 0
+    cfg = seen["cfg"]
+    assert (cfg.optim.steps, cfg.drafter.num_layers, cfg.out_dir) == (7, 2, "out/x")
+    assert cfg.drafter.init_from is None
+    assert tuple(cfg.drafter.target_layer_ids) == (1, 10, 18, 27)  # fixed across depths

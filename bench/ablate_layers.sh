@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Layer-count ablation of the SmolLM2-135M-Instruct DFlash drafter on one GPU, in one call:
+# for each depth, `kdj train-drafter --config configs/train/smollm2-b16-ablate.yaml
+# --num-layers N` from random weights on the same regenerated data for the same steps, then
+# its held-out DFlash tau (T=0, 32 ShareGPT prompts x 128 tokens: summary.json's final_eval).
+# One JSON line per depth goes to OUT/ablation.jsonl (layers, parameters, tau, train seconds);
+# the drafters themselves are not kept.
+#
+# Usage, from the repository root on the GPU machine:
+#   bench/ablate_layers.sh --target GGUF --data DIR --prompts DIR --out OUT
+#       [--layers "2 4 6"] [--steps 1500]
+#   --data     folder of data.tar.gz.part* from an earlier training call (run 3's responses:
+#              .traincache/regen-all-turns), unpacked once and shared by every depth
+#   --prompts  folder with prompts.npz + eval_prompts.json of the same data settings
+#              (.traincache/data-turns-all)
+set -euo pipefail
+TARGET= DATA= PROMPTS= OUT= LAYERS="2 4 6" STEPS=1500
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --target) TARGET=$2 ;;
+    --data) DATA=$2 ;;
+    --prompts) PROMPTS=$2 ;;
+    --out) OUT=$2 ;;
+    --layers) LAYERS=$2 ;;
+    --steps) STEPS=$2 ;;
+    *) echo "unknown argument $1 (see the usage at the top of $0)" >&2; exit 2 ;;
+  esac
+  shift 2
+done
+: "${TARGET:?--target is required}" "${DATA:?--data is required}" "${PROMPTS:?--prompts is required}" "${OUT:?--out is required}"
+export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
+ROOT=$HOME/kdj-ablate
+mkdir -p "$ROOT/data" "$OUT"
+cat "$DATA"/data.tar.gz.part* | tar -xzf - -C "$ROOT/data"
+cp "$PROMPTS"/prompts.npz "$PROMPTS"/eval_prompts.json "$ROOT/data/"
+for L in $LAYERS; do
+  RUN=$ROOT/L$L
+  rm -rf "$RUN" && mkdir -p "$RUN/data"
+  ln -s "$ROOT"/data/* "$RUN/data/"  # read-only shards and prompts, shared
+  python -m kdj.cli train-drafter --config configs/train/smollm2-b16-ablate.yaml \
+    --target "$TARGET" --out-dir "$RUN" --steps "$STEPS" --num-layers "$L" 2>&1 \
+    | tr '\r' '\n' | grep -v -e 'tensor/s' -e 'step/s' || true
+  python - "$RUN" "$L" >> "$OUT/ablation.jsonl" <<'PY'
+import json, sys
+from pathlib import Path
+from safetensors.numpy import load_file
+run, layers = Path(sys.argv[1]), int(sys.argv[2])
+s = json.loads((run / "summary.json").read_text())
+params = sum(v.size for v in load_file(str(run / "drafter" / "model.safetensors")).values())
+print(json.dumps({"layers": layers, "parameters": int(params), "steps": s["steps"],
+                  "train_s": s["train_s"], "held_out_tau": s["final_eval"]["tau"],
+                  "eval_tokens_per_s": s["final_eval"]["tokens_per_s"]}))
+PY
+  tail -1 "$OUT/ablation.jsonl"
+done
