@@ -241,9 +241,12 @@ def expert_swiglu_gathered(x, weights, idx, w_gate_up, w_down):
     return y.sum(1).astype(x.dtype)
 
 
-# Below this many token-expert assignments per expert, gathering beats grouped GEMMs.
-# On an H200 a 64-expert grouped matmul sits at a ~0.11 ms floor for few tokens (ANCHORS.md).
-GATHER_MAX_ASSIGNMENTS_PER_EXPERT = 0.25
+# Up to this many token-expert assignments per expert, gathering beats grouped GEMMs. At 1.0
+# the gathered path never reads more expert matrices than there are experts (the most a
+# grouped GEMM reads). Measured on an H200 (bench/expert_gather.py, BENCHMARKS.md "Expert
+# GEMV"), one Moonlight MoE layer, gathered Pallas kernel vs ragged_dot, bf16: 6 assignments
+# 47 vs 286 us, 48: 210 vs 321, 96 (1.5 per expert): 330 vs 342; INT4 and FP8 3-6x apart.
+GATHER_MAX_ASSIGNMENTS_PER_EXPERT = 1.0
 
 
 class MoE(nnx.Module):
