@@ -41,12 +41,13 @@ for L in $LAYERS; do
     --target "$TARGET" --out-dir "$RUN" --steps "$STEPS" --num-layers "$L" 2>&1 \
     | tr '\r' '\n' | grep -v -e 'tensor/s' -e 'step/s' || true
   python - "$RUN" "$L" >> "$OUT/ablation.jsonl" <<'PY'
-import json, sys
+import json, math, sys
 from pathlib import Path
-from safetensors.numpy import load_file
+from safetensors import safe_open
 run, layers = Path(sys.argv[1]), int(sys.argv[2])
 s = json.loads((run / "summary.json").read_text())
-params = sum(v.size for v in load_file(str(run / "drafter" / "model.safetensors")).values())
+with safe_open(str(run / "drafter" / "model.safetensors"), "numpy") as f:  # shapes only (bf16)
+    params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 print(json.dumps({"layers": layers, "parameters": int(params), "steps": s["steps"],
                   "train_s": s["train_s"], "held_out_tau": s["final_eval"]["tau"],
                   "eval_tokens_per_s": s["final_eval"]["tokens_per_s"]}))
