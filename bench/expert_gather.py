@@ -143,7 +143,9 @@ def case(experts, fmt: str, A: int, k: int, keys, args):
     x = jax.random.normal(keys[2], (N, D), jnp.bfloat16)
     weights = jax.nn.softmax(jax.random.normal(keys[3], (N, k)), axis=-1)
     touched = len(np.unique(np.asarray(idx)))
-    base = {"format": fmt, "assignments": N * k, "touched": touched}
+    # whether "kernel" really ran the Pallas GEMV here (else it measured XLA's gather too)
+    pallas = bool(deepseek.gemv_kernel(wgu) and deepseek.gemv_kernel(experts[1]))
+    base = {"format": fmt, "assignments": N * k, "touched": touched, "gemv_kernel": pallas}
 
     def timed(name, nbytes, fn, *operands):
         row = {**base, "variant": name, "bytes": nbytes}

@@ -66,13 +66,15 @@ def test_roofline_smoke(tmp_path):
 
 def test_expert_gather_smoke(tmp_path):
     """bench/expert_gather.py: every variant and a kernel tile setting run in bf16 and INT4
-    (the kernel interpreted on CPU) and count the bytes of the touched experts as stored.
+    and count the bytes of the touched experts as stored. On the CPU the "kernel" variant
+    runs XLA's gather (rows say so); the tile rows and "grouped" run Pallas interpreted.
     (FP8's 128 x 128 blocks do not fit this tiny shape; tests/test_moe.py covers its kernel.)"""
     import importlib.util
     from pathlib import Path
 
-    cfg = tmp_path / "tiny-moe.yaml"
-    cfg.write_text(TINY_MOE)
+    cfg = tmp_path / "tiny-moe.yaml"  # widths of 128: the grouped kernel's smallest INT4 K tile
+    cfg.write_text(TINY_MOE.replace("hidden_size: 64", "hidden_size: 128").replace(
+        "moe_intermediate_size: 32", "moe_intermediate_size: 128"))  # fmt: skip
     path = Path(__file__).resolve().parent.parent / "bench" / "expert_gather.py"
     spec = importlib.util.spec_from_file_location("expert_gather", path)
     bench = importlib.util.module_from_spec(spec)
@@ -83,6 +85,7 @@ def test_expert_gather_smoke(tmp_path):
     rows = bench.main(args)
     assert json.loads(out.read_text())["rows"] == rows
     assert all("error" not in r and r["us"] > 0 for r in rows), rows
+    assert not any(r["gemv_kernel"] for r in rows)  # no GPU here
     by = {(r["format"], r["variant"]): r for r in rows}
     assert set(v for _, v in by) == {"kernel", "xla", "ragged", "grouped", "gemv_gate_up[8,32,4,2]"}
     assert by["int4", "kernel"]["bytes"] < by["float", "kernel"]["bytes"] / 3

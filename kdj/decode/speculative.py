@@ -215,9 +215,11 @@ HITS_PRIOR = 4.0
 # with the prior weighed as one step the H200 run took plain runs for 108 of 119 steps.
 TREND_WEIGHT = 0.125
 
-# Once drafting, the loop keeps drafting until the running mean says drafting is HYSTERESIS
-# behind plain decoding, not merely behind: leaving the drafted loop for a run of plain steps
-# and coming back costs ~2 ms at batch 1 on the H200 (run h), more than a mispredicted step.
+# Draft-or-skip is a two-state switch. Skipping, the loop starts drafting when the running mean
+# says drafting pays (from the prior before the first step, or at a probe); drafting, it stops
+# only when the running mean says drafting is HYSTERESIS behind plain decoding, not merely
+# behind: leaving the drafted loop for a run of plain steps and coming back costs ~2 ms at
+# batch 1 on the H200 (run h), more than a mispredicted step.
 # (Traced on the CPU with run h's batch-1 prompt and the H200 cost file: without the slack
 # the loop drafted 16 of 116 steps, with it all 67, committing 1.90 tokens per step.)
 HYSTERESIS = 0.1
@@ -389,10 +391,8 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         }
 
     def draft_due(c):
-        """Draft when the running forecast says it pays, or when a probe is due."""
-        active, context = active_context(c)
-        pays = drafting_pays(shapes, c["trend"], active, cost, context, HYSTERESIS)
-        return pays | (c["since"] >= c["wait"])
+        """Draft while in the drafting state (see HYSTERESIS), or when a probe is due."""
+        return c["drafting"] | (c["since"] >= c["wait"])
 
     def plain_body(c):
         """A step that skips the drafter, built like plain decoding's (autoregressive.py): a
@@ -438,10 +438,14 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         ops = step_inputs(c)
         active, context = ops[1], ops[4]
         c = commit(c, drafted(*ops), active, ops[2])
-        if can_skip:  # after a draft: back to short probes if drafting pays, else back off
-            pays_now = drafting_pays(shapes, c["trend"], active, cost, context, HYSTERESIS)
+        if can_skip:  # after a draft: stay in (or enter) the drafting state, else back off
+            trend = c["trend"]
+            stay = drafting_pays(shapes, trend, active, cost, context, HYSTERESIS)
+            enter = drafting_pays(shapes, trend, active, cost, context)
+            drafting = jnp.where(c["drafting"], stay, enter)
             later = probe_wait(shapes, cost, B, context, c["wait"])
-            c = {**c, "wait": jnp.where(pays_now, PROBE_MIN, later), "since": jnp.int32(0)}
+            c = {**c, "drafting": drafting, "wait": jnp.where(drafting, PROBE_MIN, later),
+                 "since": jnp.int32(0)}  # fmt: skip
         return c
 
     def body(c):
@@ -451,10 +455,8 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         # drafting pays, else until the next probe or until the feature queue is full. Plain
         # and drafting steps run as inner loops, not branches: loop-carried caches are
         # updated in place, while a lax.cond around the target pass makes XLA copy them.
-        active, context = active_context(c)
-        pays = drafting_pays(shapes, c["trend"], active, cost, context)
         room = c["pending"].shape[1] - jnp.max(c["n_pend"])
-        left = jnp.where(pays, 0, jnp.clip(c["wait"] - c["since"], 0, room))
+        left = jnp.where(c["drafting"], 0, jnp.clip(c["wait"] - c["since"], 0, room))
         c = jax.lax.while_loop(lambda c: cond(c) & (c["left"] > 0), plain_body, {**c, "left": left})
         c = flush(c)
         return jax.lax.while_loop(lambda c: cond(c) & draft_due(c), drafted_body, c)
@@ -464,7 +466,7 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
     prior = jnp.broadcast_to(jnp.asarray(prior, jnp.float32), (len(shapes),))
     known = jnp.all(prior > 0)
     gains = jnp.broadcast_to(jnp.where(known, prior, 1.0)[:, None], (len(shapes), B))
-    wait = jnp.int32(0)
+    wait, doubt = jnp.int32(0), jnp.bool_(False)
     if can_skip:
         active = ~done
         context = mean_context(tcache.lengths, active)
@@ -479,6 +481,7 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         "trend": gains, "drafts": jnp.where(known, HITS_PRIOR, 0.0).astype(jnp.float32),
         "hits": jnp.full((2,), HITS_PRIOR, jnp.float32),  # realised, forecast drafts (corrected)
         "wait": wait, "since": jnp.int32(0), "left": jnp.int32(0),
+        "drafting": ~doubt,  # the draft-or-skip state (HYSTERESIS)
     }  # fmt: skip
     c = jax.lax.while_loop(cond, body, carry)
     return (c["out"], c["n"], c["taus"], c["sizes"], c["choices"], c["expected"], c["step"],

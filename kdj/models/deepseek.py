@@ -241,12 +241,14 @@ def expert_swiglu_gathered(x, weights, idx, w_gate_up, w_down):
     return y.sum(1).astype(x.dtype)
 
 
-# Up to this many token-expert assignments per expert, gathering beats grouped GEMMs. At 1.0
-# the gathered path never reads more expert matrices than there are experts (the most a
-# grouped GEMM reads). Measured on an H200 (bench/expert_gather.py, BENCHMARKS.md "Expert
-# GEMV"), one Moonlight MoE layer, gathered Pallas kernel vs ragged_dot, bf16: 6 assignments
-# 47 vs 286 us, 48: 210 vs 321, 96 (1.5 per expert): 330 vs 342; INT4 and FP8 3-6x apart.
-GATHER_MAX_ASSIGNMENTS_PER_EXPERT = 1.0
+# Up to this many token-expert assignments per expert, gathering beats grouped GEMMs.
+# With the Pallas GEMV (GPU): 1.0, where the gathered path never reads more expert matrices
+# than there are experts (the most a grouped GEMM reads). Measured on an H200
+# (bench/expert_gather.py, BENCHMARKS.md "Expert GEMV"), one Moonlight MoE layer, kernel vs
+# ragged_dot, bf16: 6 assignments 47 vs 286 us, 48: 210 vs 321, 96 (1.5 per expert): 330 vs
+# 342; FP8 3-7x apart. Without it (XLA gathers, and dequantises each gathered copy): 0.25;
+# a 64-expert grouped matmul sits at a ~0.11 ms floor for few tokens (ANCHORS.md).
+GATHER_MAX_ASSIGNMENTS_PER_EXPERT = {"kernel": 1.0, "xla": 0.25}
 
 
 class MoE(nnx.Module):
@@ -339,7 +341,8 @@ def local_experts(x, weights, idx, w_gate_up, w_down, first):
     mine = (local >= 0) & (local < E_local)
     weights = jnp.where(mine, weights, 0.0)
     local = jnp.where(mine, local, 0)
-    few = idx.size <= GATHER_MAX_ASSIGNMENTS_PER_EXPERT * E_local
+    path = "kernel" if gemv_kernel(w_gate_up) and gemv_kernel(w_down) else "xla"
+    few = idx.size <= GATHER_MAX_ASSIGNMENTS_PER_EXPERT[path] * E_local
     experts = expert_swiglu_gathered if few else expert_swiglu
     return experts(x, weights, local, w_gate_up, w_down)
 

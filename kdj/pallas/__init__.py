@@ -8,6 +8,10 @@
   = one expert's weights read as stored, bf16 / INT4 / FP8 dequantised in registers); used by
   ``kdj.models.deepseek.ExpertWeight.matvec`` on GPU.
 
+* ``expert_grouped``: the grouped expert matmul for many tokens (rows sorted by expert into
+  blocks, tensor-core dots, weights dequantised per tile); benchmarked against ragged_dot by
+  bench/expert_gather.py, not yet used by the MoE layer.
+
 Kernels are chosen by measurement on the H200 (bench/); grouped expert GEMMs for many tokens
 are still XLA's ``ragged_dot``.
 """

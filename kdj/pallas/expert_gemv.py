@@ -122,11 +122,11 @@ def _int4_kernel(ids_ref, x_ref, w_ref, s_ref, o_ref, *, words, wpg, bk, F, bf):
 
 def supported(fmt: str, K: int, F: int, scale_shape=None) -> bool:
     """Whether the kernel takes a [E, K, F] matrix in `fmt` (K: inputs)."""
-    if fmt == "int4":  # a scale group must be a power-of-two number of words (Triton tiles)
-        if scale_shape is None or K % 8 or K % scale_shape[1]:
+    if fmt == "int4":  # a scale group: a power-of-two number of whole words (Triton tiles)
+        if scale_shape is None or K % 8 or K % scale_shape[1] or (K // scale_shape[1]) % 8:
             return False
         wpg = K // scale_shape[1] // 8
-        return wpg >= 1 and wpg & (wpg - 1) == 0
+        return wpg & (wpg - 1) == 0
     if fmt == "fp8":
         b = K // scale_shape[1] if scale_shape is not None else 0
         return b >= 16 and b & (b - 1) == 0 and F // scale_shape[2] == b
@@ -138,8 +138,9 @@ def expert_gemv(x, ids, value, scale=None, fmt: str = "float", *, interpret: boo
                 num_warps: int | None = None, num_stages: int | None = None):  # fmt: skip
     """y[i] = x[i] @ W[ids[i]] (see the module docstring). x [n, K]; ids [n] int32; value,
     scale: an expert matrix as stored, 3-D [E, K(/8), F]. Returns [n, F] float32. Tiles default
-    to what measured best on the H200 (bench/expert_gather.py). interpret: run the kernel in
-    Pallas' interpreter (default: everywhere but on a GPU)."""
+    to what measured best on the H200 (bench/expert_gather.py): block_k counts rows of
+    `value`, i.e. inputs for float/FP8 and 8-input words for INT4 (whole scale groups).
+    interpret: run the kernel in Pallas' interpreter (default: everywhere but on a GPU)."""
     if fmt not in FORMATS:
         raise ValueError(f"expert format must be one of {FORMATS}, not {fmt!r}")
     n, K = x.shape

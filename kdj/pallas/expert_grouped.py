@@ -10,13 +10,14 @@ bm (`blocks`): row block b holds up to bm rows of one expert, block_expert[b]. O
 owns (row block, tile of bf columns) and walks K in tiles of bk: a [bm, bk] tile of the
 block's input rows (gathered by row index) times the expert's [bk, bf] weight tile on the
 tensor cores, accumulated in float32. An expert with at most bm rows (a 16-token verify at
-batch 1: ~1.6 rows per touched expert on Moonlight) is read exactly once; at large batch
+batch 1: ~1.9 rows per touched expert on Moonlight) is read exactly once; at large batch
 the weight tile is reused by all bm rows. Blocks past the last expert's are empty (their
 loop runs zero times). Quantised weights are dequantised tile by tile in registers:
   * int4: the bk inputs of a tile are 8 interleaved planes of bk / 8 words (input 8 r + j is
     nibble j of word r); the input rows are passed de-interleaved the same way (xt[8 a + j,
     r] = x[a, 8 r + j]), so the tile is 8 dots of K = bk / 8, one per nibble plane, each
-    scaled by its words' group scales (contiguous rows, repeated in registers).
+    scaled by its words' group scales (contiguous rows, repeated in registers); both dot
+    operands are bf16 whatever x's dtype.
   * fp8: a tile never straddles a scale block, so it has one scale.
 
 Status: measured against XLA's ragged_dot by bench/expert_gather.py (variant "grouped");
@@ -100,9 +101,9 @@ def _kernel(be_ref, rows_ref, x_ref, w_ref, *rest, fmt, K, F, bm, bk, bf, wpg, b
         w = load_w(t * bk, bk).astype(jnp.float32)
         if fmt == "fp8":
             w = w * s_ref[ee, (t * bk) // block, f0 // block].astype(jnp.float32)
-        dt = x_ref.dtype if x_ref.dtype != jnp.float32 else jnp.float32
+        dt = x_ref.dtype  # bf16 on the tensor cores; float32 (tests) at full precision
         prec = lax.Precision.HIGHEST if dt == jnp.float32 else None
-        return acc + plgpu.dot(xt.astype(dt), w.astype(dt), precision=prec).astype(jnp.float32)
+        return acc + plgpu.dot(xt, w.astype(dt), precision=prec).astype(jnp.float32)
 
     n_tiles = jnp.where(e >= 0, K // bk, 0)  # empty blocks do no work
     acc = lax.fori_loop(0, n_tiles, body, jnp.zeros((bm, bf), jnp.float32))
@@ -110,14 +111,15 @@ def _kernel(be_ref, rows_ref, x_ref, w_ref, *rest, fmt, K, F, bm, bk, bf, wpg, b
 
 
 def supported(fmt: str, K: int, F: int, scale_shape=None, bk: int = 128) -> bool:
-    """Whether the kernel takes a [E, K, F] matrix in `fmt` (K: inputs) with K tiles of bk."""
-    if K % bk:
+    """Whether the kernel takes a [E, K, F] matrix in `fmt` (K: inputs) with K tiles of bk.
+    Tensor-core dots need K >= 16 per dot: bk inputs (float, FP8), bk / 8 words (INT4)."""
+    if K % bk or bk < (128 if fmt == "int4" else 16):
         return False
     if fmt == "int4":
-        if scale_shape is None or K % scale_shape[1]:
+        if scale_shape is None or K % scale_shape[1] or (K // scale_shape[1]) % 8:
             return False
         wpg = K // scale_shape[1] // 8
-        return wpg >= 1 and wpg & (wpg - 1) == 0 and (bk // 8) % wpg == 0
+        return wpg & (wpg - 1) == 0 and (bk // 8) % wpg == 0
     if fmt == "fp8":
         b = K // scale_shape[1] if scale_shape is not None else 0
         return b >= bk and b % bk == 0 and F // scale_shape[2] == b
