@@ -7,13 +7,14 @@ anchor k + 1 further on) must give the DFlash generation's tau on the same promp
 last step's cut; a gap would be a train/inference mismatch (features, positions, masks).
 Also printed: the mean over all positions (what training's `tau` metric estimates).
 
-    python bench/train_vs_generation.py --num-prompts 6 --new 64
+    python bench/train_vs_generation.py --num-prompts 6 --new 64 --out result.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -53,6 +54,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--num-prompts", type=int, default=6)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--out", help="also write the result here (JSON)")
     args = ap.parse_args(argv)
     target = kdj.load_target("smollm2-135m-instruct", dtype=args.dtype)
     drafter = kdj.load_drafter(args.drafter, target=target)
@@ -69,6 +71,9 @@ def main(argv=None) -> dict:
         "mean_over_positions": float(np.mean([x.mean() + 1 for x in lengths])),
     }
     print(out)
+    if args.out:
+        meta = {k: getattr(args, k) for k in ("drafter", "num_prompts", "new", "dtype")}
+        Path(args.out).write_text(json.dumps({"meta": meta, **out}, indent=1))
     return out
 
 
