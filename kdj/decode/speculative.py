@@ -439,10 +439,8 @@ def decode_loop(tgraph, tstate, dgraph, dstate, tcache, dcache, first, max_new, 
         active, context = ops[1], ops[4]
         c = commit(c, drafted(*ops), active, ops[2])
         if can_skip:  # after a draft: stay in (or enter) the drafting state, else back off
-            trend = c["trend"]
-            stay = drafting_pays(shapes, trend, active, cost, context, HYSTERESIS)
-            enter = drafting_pays(shapes, trend, active, cost, context)
-            drafting = jnp.where(c["drafting"], stay, enter)
+            slack = jnp.where(c["drafting"], HYSTERESIS, 0.0)  # stay within it; enter: pay
+            drafting = drafting_pays(shapes, c["trend"], active, cost, context, slack)
             later = probe_wait(shapes, cost, B, context, c["wait"])
             c = {**c, "drafting": drafting, "wait": jnp.where(drafting, PROBE_MIN, later),
                  "since": jnp.int32(0)}  # fmt: skip

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -181,10 +180,10 @@ class ExpertWeight:
 def gemv_kernel(w: ExpertWeight) -> bool:
     """Whether `ExpertWeight.matvec` runs the Pallas kernel: on GPU, for the shapes it takes.
     Decided at trace time."""
-    E, rows, *out = w.value.shape
-    K = rows * 8 if w.fmt == "int4" else rows
-    scale = None if w.scale is None else (*w.scale.shape[:2], math.prod(w.scale.shape[2:]))
-    return jax.default_backend() == "gpu" and expert_gemv.supported(w.fmt, K, math.prod(out), scale)
+    value, scale = w.matrix()
+    K = value.shape[1] * (8 if w.fmt == "int4" else 1)
+    shape = None if scale is None else scale.shape
+    return jax.default_backend() == "gpu" and expert_gemv.supported(w.fmt, K, value.shape[2], shape)
 
 
 def touched_experts(flat, size: int):

@@ -81,6 +81,39 @@ def _kernel(ids_ref, x_ref, w_ref, *rest, fmt, K, F, bk, bf, block):
 _MAGIC, _MAGIC_BIAS = 0x4B000000, float(2**23 + 8)
 
 
+def _nibbles(w, n: int):
+    """Nibble n of int32 words w as float32 values u - 8 (the stored +8 offset removed)."""
+    bits = ((w >> (4 * n)) & 0xF) | _MAGIC
+    return lax.bitcast_convert_type(bits, jnp.float32) - _MAGIC_BIAS
+
+
+def deinterleave(x):
+    """x [n, K] -> [8 n, K / 8] with row 8 i + j = x[i, 8 r + j] over words r: the input
+    planes that meet nibble j of every INT4 word."""
+    n, K = x.shape
+    return x.reshape(n, K // 8, 8).transpose(0, 2, 1).reshape(n * 8, K // 8)
+
+
+def call(kernel, ins, *, grid, out_block, out_shape, num_warps, num_stages, interpret, name):
+    """The Triton-flavoured pallas_call of the expert kernels: every input whole (the kernel
+    indexes it), one output block per program, float32 out; interpret=None: interpreted
+    everywhere but on a GPU."""
+    full = [pl.BlockSpec(a.shape, lambda i, j, d=a.ndim: (0,) * d) for a in ins]
+    with warnings.catch_warnings():
+        # jax 0.11 deprecates the Triton lowering (see tree_attention.py's docstring)
+        warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
+        return pl.pallas_call(
+            kernel,
+            grid=grid,
+            in_specs=full,
+            out_specs=pl.BlockSpec(out_block, lambda i, j: (i, j)),
+            out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+            interpret=jax.default_backend() != "gpu" if interpret is None else interpret,
+            name=name,
+        )(*ins)
+
+
 def _int4_kernel(ids_ref, x_ref, w_ref, s_ref, o_ref, *, words, wpg, bk, F, bf):
     """One (assignment, column tile) program over INT4 words [E, words, F]: a scale group is
     wpg words (8 wpg inputs) sharing scale row s[e, g, :]; a tile is bk words (bk / wpg whole
@@ -108,9 +141,7 @@ def _int4_kernel(ids_ref, x_ref, w_ref, s_ref, o_ref, *, words, wpg, bk, F, bf):
         part = jnp.zeros((bk, bf), jnp.float32)
         for n in range(8):  # nibble n of word r is input 8 r + n, stored with a +8 offset
             xn = _load(x_ref.at[i * 8 + n, pl.ds(t * bk, bk)], row_ok)
-            bits = ((w >> (4 * n)) & 0xF) | _MAGIC
-            u = lax.bitcast_convert_type(bits, jnp.float32) - _MAGIC_BIAS
-            part += xn.astype(jnp.float32)[:, None] * u
+            part += xn.astype(jnp.float32)[:, None] * _nibbles(w, n)
         g_ok = (t * G + jnp.arange(G)) < words // wpg if ragged else None
         scale = _load(s_ref.at[e, pl.ds(t * G, G), pl.ds(f0, bf)], tile_mask(g_ok))
         scale = jnp.broadcast_to(scale.astype(jnp.float32)[:, None, :], (G, wpg, bf))
@@ -145,6 +176,10 @@ def expert_gemv(x, ids, value, scale=None, fmt: str = "float", *, interpret: boo
         raise ValueError(f"expert format must be one of {FORMATS}, not {fmt!r}")
     n, K = x.shape
     E, rows, F = value.shape
+    if not supported(fmt, K, F, None if scale is None else scale.shape):
+        raise ValueError(f"{fmt} expert weights {value.shape} (scale "
+                         f"{None if scale is None else scale.shape}) are a layout this kernel "
+                         "does not take (expert_gemv.supported)")  # fmt: skip
     block = 0
     bf = block_f or 64
     if fmt == "int4":
@@ -154,7 +189,7 @@ def expert_gemv(x, ids, value, scale=None, fmt: str = "float", *, interpret: boo
         bk = max(wpg, (block_k or 128) // wpg * wpg)  # words, whole groups
         bf = block_f or 32
         kernel = functools.partial(_int4_kernel, words=rows, wpg=wpg, bk=bk, F=F, bf=bf)
-        xin = x.reshape(n, rows, 8).transpose(0, 2, 1).reshape(n * 8, rows)  # row 8 i + j
+        xin = deinterleave(x)
     else:
         if rows != K:
             raise ValueError(f"expert weights {value.shape} do not match inputs of width {K}")
@@ -166,21 +201,9 @@ def expert_gemv(x, ids, value, scale=None, fmt: str = "float", *, interpret: boo
         xin = x
     nf = pl.cdiv(F, bf)
     ins = [ids.astype(jnp.int32), xin, value] + ([] if fmt == "float" else [scale])
-    full = [pl.BlockSpec(a.shape, lambda i, j, d=a.ndim: (0,) * d) for a in ins]
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
-        y = pl.pallas_call(
-            kernel,
-            grid=(n, nf),
-            in_specs=full,
-            out_specs=pl.BlockSpec((None, bf), lambda i, j: (i, j)),
-            out_shape=jax.ShapeDtypeStruct((n, nf * bf), jnp.float32),
-            compiler_params=plgpu.CompilerParams(
-                num_warps=num_warps or 4, num_stages=num_stages or 3
-            ),
-            interpret=jax.default_backend() != "gpu" if interpret is None else interpret,
-            name=f"expert_gemv_{fmt}",
-        )(*ins)
+    y = call(kernel, ins, grid=(n, nf), out_block=(None, bf), out_shape=(n, nf * bf),
+             num_warps=num_warps or 4, num_stages=num_stages or 3, interpret=interpret,
+             name=f"expert_gemv_{fmt}")  # fmt: skip
     return y[:, :F]
 
 

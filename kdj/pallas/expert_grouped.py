@@ -27,15 +27,13 @@ the MoE layer keeps ragged_dot until that measurement says otherwise.
 from __future__ import annotations
 
 import functools
-import warnings
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kdj.pallas.expert_gemv import _MAGIC, _MAGIC_BIAS, FORMATS
+from kdj.pallas.expert_gemv import FORMATS, _nibbles, call, deinterleave
 
 
 def blocks(ids, num_experts: int, bm: int):
@@ -92,8 +90,7 @@ def _kernel(be_ref, rows_ref, x_ref, w_ref, *rest, fmt, K, F, bm, bk, bf, wpg, b
             for n in range(8):  # nibble plane n: inputs 8 r + n of the tile's words r
                 xn = x_ref[(r * 8 + n)[:, None], words[None, :]]  # [bm, kw]
                 xn = jnp.where(row_ok, xn, 0).astype(jnp.bfloat16)
-                bits = ((w >> (4 * n)) & 0xF) | _MAGIC
-                u = (lax.bitcast_convert_type(bits, jnp.float32) - _MAGIC_BIAS) * scale
+                u = _nibbles(w, n) * scale
                 acc += plgpu.dot(xn, u.astype(jnp.bfloat16)).astype(jnp.float32)
             return acc
         ks = t * bk + jnp.arange(bk)
@@ -147,23 +144,13 @@ def expert_grouped(x, ids, value, scale=None, fmt: str = "float", *,
     nb, nf = be.shape[0], pl.cdiv(F, bf)
     wpg = rows_w // scale.shape[1] if fmt == "int4" else 0
     block = K // scale.shape[1] if fmt == "fp8" else 0
-    xin = x if fmt != "int4" else x.reshape(n, K // 8, 8).transpose(0, 2, 1).reshape(n * 8, -1)
+    xin = deinterleave(x) if fmt == "int4" else x
     kernel = functools.partial(_kernel, fmt=fmt, K=K, F=F, bm=bm, bk=bk, bf=bf, wpg=wpg,
                                block=block)  # fmt: skip
     ins = [be, rows, xin, value] + ([] if fmt == "float" else [scale])
-    full = [pl.BlockSpec(a.shape, lambda i, j, d=a.ndim: (0,) * d) for a in ins]
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
-        y = pl.pallas_call(
-            kernel,
-            grid=(nb, nf),
-            in_specs=full,
-            out_specs=pl.BlockSpec((bm, bf), lambda i, j: (i, j)),
-            out_shape=jax.ShapeDtypeStruct((nb * bm, nf * bf), jnp.float32),
-            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-            interpret=jax.default_backend() != "gpu" if interpret is None else interpret,
-            name=f"expert_grouped_{fmt}",
-        )(*ins)
+    y = call(kernel, ins, grid=(nb, nf), out_block=(bm, bf), out_shape=(nb * bm, nf * bf),
+             num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+             name=f"expert_grouped_{fmt}")  # fmt: skip
     # padded rows back to assignment order: assignment a sits in the row holding a
     slot = jnp.where(rows >= 0, rows, n)  # padding rows point past the end: dropped
     row_of = jnp.zeros((n,), jnp.int32).at[slot].set(jnp.arange(nb * bm), mode="drop")
