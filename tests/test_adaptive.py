@@ -203,14 +203,14 @@ def test_the_menu_keeps_only_entries_that_can_pay_at_the_batch_size():
     base = StepCost.for_config(moonlight())
     flat = dataclasses.replace(base, fixed_s=1.0, per_byte_s=0.0, per_flop_s=0.0,
                                draft_fixed_s=0.5, per_node_s=1e-3)  # fmt: skip
-    # a drafted step costs 1.5 + nodes/1000 plain steps and must win by MENU_MARGIN (10%):
-    # a prior of 1.7 pays for all but 64 nodes (1.7 / 1.564 = 1.087)
-    assert speculative.MENU_MARGIN == 0.1
-    assert speculative.paying_menu(shapes, flat, 1, 100.0, 1.7) == shapes[:3]
-    assert speculative.paying_menu(shapes, flat, 1, 100.0, 1.75) == shapes
-    assert speculative.paying_menu(shapes, flat, 1, 100.0, 1.6) == shapes[:1]  # 7% is too thin
+    # a drafted step costs 1.5 + nodes/1000 plain steps (the draft pass builds the largest
+    # tree left) and its tau must beat that by the factor m
+    m = 1 + speculative.MENU_MARGIN
+    assert speculative.paying_menu(shapes, flat, 1, 100.0, m * 1.54) == shapes[:3]
+    assert speculative.paying_menu(shapes, flat, 1, 100.0, m * 1.58) == shapes
+    assert speculative.paying_menu(shapes, flat, 1, 100.0, m * 1.49) == shapes[:1]  # too thin
     # each entry priced at its own measured tau where the calibration has one
-    measured = {"tree16": 1.7, "chain3": 1.6}
+    measured = {"tree16": m * 1.54, "chain3": m * 1.505}
     assert speculative.paying_menu(shapes, flat, 1, 100.0, 1.4, measured) == shapes[::2]
     # entries without a measurement of their own: the smallest larger one of their kind
     # bounds them (a chain or tree holds the smaller ones as its first nodes), else the prior
@@ -220,10 +220,11 @@ def test_the_menu_keeps_only_entries_that_can_pay_at_the_batch_size():
                       ("tree", 128))]  # fmt: skip
     assert taus == [1.0, 1.46, 1.46, 1.96, 2.23, 1.9]
     # every drafted step builds the largest tree left: a chain that loses beside tree64
-    # (1.7 / 1.564) stays once the trees are gone (1.7 / 1.5), and one that loses while
-    # tree64 wins goes (tree16, bounded by tree64's 1.75, stays)
-    assert speculative.paying_menu(shapes, flat, 1, 100.0, 1.4, {"chain3": 1.7}) == shapes[:2]
-    both = {"chain3": 1.7, "tree64": 1.75}
+    # (cost 1.564) and tree16 (1.516) stays once the trees are gone (1.5), and one that loses
+    # while tree64 wins goes (tree16, bounded by tree64's tau, stays)
+    chain = {"chain3": m * 1.505}
+    assert speculative.paying_menu(shapes, flat, 1, 100.0, 1.4, chain) == shapes[:2]
+    both = {"chain3": m * 1.505, "tree64": m * 1.57}
     assert speculative.paying_menu(shapes, flat, 1, 100.0, 1.4, both) == shapes[:1] + shapes[2:]
     # compute-bound: 4 verified tokens cost 4x one; even the chain needs 4+ tokens per step
     dear = dataclasses.replace(base, fixed_s=0.0, per_byte_s=0.0, per_flop_s=1.0)

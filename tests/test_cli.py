@@ -73,3 +73,13 @@ def test_train_drafter_overrides_reach_the_config(monkeypatch):
     assert (cfg.optim.steps, cfg.drafter.num_layers, cfg.out_dir) == (7, 2, "out/x")
     assert cfg.drafter.init_from is None
     assert tuple(cfg.drafter.target_layer_ids) == (1, 10, 18, 27)  # fixed across depths
+
+
+def test_eval_acceptance_runs_only_the_sets_asked_for(tmp_path):
+    prompts = tmp_path / "eval_prompts.json"
+    prompts.write_text('{"sharegpt": ["Hi"], "humaneval": []}')
+    argv = ["eval-acceptance", "--drafter", "smollm2-135m-dflash-b16", "--prompts", str(prompts),
+            "--datasets", "humaneval", "--out", str(tmp_path / "acc")]  # fmt: skip
+    with pytest.raises(SystemExit, match=r"no prompts for \['humaneval'\]"):
+        main(argv)
+    assert not (tmp_path / "acc").exists()
