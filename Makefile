@@ -27,12 +27,12 @@ run: install
 		--prompt "What is the capital of Australia?"
 
 lint: install-test
-	$(VENV)/bin/ruff check kdj tests bench
-	$(VENV)/bin/ruff format --check kdj tests bench
+	$(VENV)/bin/ruff check kdj tests bench notebooks
+	$(VENV)/bin/ruff format --check kdj tests bench notebooks
 
 format: install-test
-	$(VENV)/bin/ruff format kdj tests bench
-	$(VENV)/bin/ruff check --fix kdj tests bench
+	$(VENV)/bin/ruff format kdj tests bench notebooks
+	$(VENV)/bin/ruff check --fix kdj tests bench notebooks
 
 test: lint
 	$(PY) -m pytest

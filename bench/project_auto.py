@@ -22,7 +22,10 @@ Per draft shape and batch B:  step = target step(B, 1 + nodes) + draft_seconds(B
 (no draft pass for AR) and tokens/s = B * tau_real / step. "auto" replays the controller with
 the real pair's forecasts as gains (kdj.decode.speculative): if `drafting_pays` says no, it
 decodes plainly (= AR); otherwise it verifies the `choose` argmax and gets that shape's
-projected tokens/s. Every number written is a projection.
+projected tokens/s, with the draft pass of the largest tree left on the menu. Before that, as
+kdj.generate does, the menu is trimmed to the entries `paying_menu` says can pay at the batch
+size, each priced at its real-pair tau (none left: auto = AR). Every number written is a
+projection.
 
     python bench/project_auto.py --roofline roofline.json --cost cost.json \\
         --real smollm2_methods.json --out projected_auto.json
@@ -140,16 +143,30 @@ def project(steps, roof_ctx, cost, real, shapes, batches, context) -> list[dict]
                 "target_ms": target_s * 1e3, "draft_ms": draft_s * 1e3, "tokens_per_seq": T,
                 "target_step": "measured" if measured else "predicted",
             }  # fmt: skip
-        # the controller, fed the real pair's forecasts for every sequence of the batch
-        menu_shapes = tuple(shapes.values())
-        gains = jnp.asarray([[real[n]["forecast"]] * B for n in names])  # [S, B]
-        active = jnp.ones((B,), bool)
-        pays = bool(speculative.drafting_pays(menu_shapes, gains, active, cost, context))
-        choice = names[int(speculative.choose(menu_shapes, gains, active, cost, context))]
-        # drafting pays => some shape beats plain even with the draft paid, so `choose`
-        # (draft sunk) never picks "none" then: auto is one of the fixed methods
-        choice = choice if pays else "ar"
-        auto = {**methods[choice], "choice": choice, "drafting_pays": pays}
+        # the controller: the menu trimmed to the entries the cost model says can pay at this
+        # batch (priced at the real pair's tau), then fed the real pair's forecasts for every
+        # sequence of the batch
+        measured = {str(s): real[n]["tau"] for n, s in shapes.items() if s.kind != "none"}
+        kept = speculative.paying_menu(tuple(shapes.values()), cost, B, context,
+                                       max(measured.values()), measured)  # fmt: skip
+        kept_names = [n for n in names if shapes[n] in kept]
+        pays, choice = False, "ar"
+        if len(kept) > 1:
+            gains = jnp.asarray([[real[n]["forecast"]] * B for n in kept_names])  # [S, B]
+            active = jnp.ones((B,), bool)
+            pays = bool(speculative.drafting_pays(kept, gains, active, cost, context))
+            # drafting pays => some shape beats plain even with the draft paid, so `choose`
+            # (draft sunk) never picks "none" then: auto is one of the kept fixed methods
+            if pays:
+                choice = kept_names[int(speculative.choose(kept, gains, active, cost, context))]
+        auto = {**methods[choice], "choice": choice, "drafting_pays": pays,
+                "menu": [str(s) for s in kept]}  # fmt: skip
+        if choice != "ar":  # a drafting step builds the menu's largest tree, not its own
+            m = methods[choice]
+            draft_s = float(cost.draft_seconds(B, context, speculative.largest_tree(kept)))
+            step = m["target_ms"] / 1e3 + draft_s
+            auto.update(tokens_per_s=B * m["tau"] / step, step_ms=step * 1e3,
+                        draft_ms=draft_s * 1e3)  # fmt: skip
         methods["auto"] = auto
         best = max(names, key=lambda n: methods[n]["tokens_per_s"])
         rows.append({

@@ -96,6 +96,8 @@ def test_free_verify_picks_the_biggest_tree(inputs):
     for row in result["rows"]:
         auto, tree = row["methods"]["auto"], row["methods"]["ddtree256"]
         assert auto["drafting_pays"] and auto["choice"] == "ddtree256"
+        # every drafted step builds the 256-node tree: the smaller entries do not pay for it
+        assert auto["menu"] == ["none", "tree256"]
         assert auto["tokens_per_s"] == tree["tokens_per_s"]
 
 
@@ -105,5 +107,6 @@ def test_compute_bound_verify_is_plain_decoding(inputs):
     for row in result["rows"]:
         auto, ar = row["methods"]["auto"], row["methods"]["ar"]
         assert not auto["drafting_pays"] and auto["choice"] == "ar"
+        assert auto["menu"] == ["none"]  # paying_menu dropped every draft shape
         assert auto["tokens_per_s"] == ar["tokens_per_s"]
         assert row["auto_over_ar"] == 1.0
