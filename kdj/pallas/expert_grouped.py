@@ -102,9 +102,11 @@ def _kernel(be_ref, rows_ref, x_ref, w_ref, *rest, fmt, K, F, bm, bk, bf, wpg, b
         prec = lax.Precision.HIGHEST if dt == jnp.float32 else None
         return acc + plgpu.dot(xt, w.astype(dt), precision=prec).astype(jnp.float32)
 
-    n_tiles = jnp.where(e >= 0, K // bk, 0)  # empty blocks do no work
-    acc = lax.fori_loop(0, n_tiles, body, jnp.zeros((bm, bf), jnp.float32))
-    o_ref[...] = acc
+    # Empty blocks do no work. The trip count stays static (K // bk) and the loop sits under a
+    # branch: a traced trip count lowers to an scf.for whose bounds Triton rejects (i32 vs
+    # index; it failed this way on the H200, and the lowering test now checks it).
+    zero = jnp.zeros((bm, bf), jnp.float32)
+    o_ref[...] = lax.cond(e >= 0, lambda: lax.fori_loop(0, K // bk, body, zero), lambda: zero)
 
 
 def supported(fmt: str, K: int, F: int, scale_shape=None, bk: int = 128) -> bool:
