@@ -32,6 +32,8 @@
 #   Two-GPU calls (nvidia-h200-x2), one job per GPU, logs in $OUT:
 #   pair-ablate: ablate on GPU 0, accept sharegpt on GPU 1 (carry both .traincache folders)
 #   pair-auto:   stage 3 then grouped on GPU 0, accept humaneval on GPU 1
+#   pair-grouped (no GGUF): grouped on GPU 0; on GPU 1 the Moonlight-shape steps with the
+#                grouped kernel in the layer, and the step cost fitted to them
 set -euo pipefail
 stage=$1
 export PYTHONPATH=$HOME/site:$PWD XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
@@ -134,14 +136,23 @@ pair-ablate)
   CUDA_VISIBLE_DEVICES=0 bash "$0" ablate > "$OUT/ablate.log" 2>&1 &
   CUDA_VISIBLE_DEVICES=1 bash "$0" accept sharegpt > "$OUT/accept_sharegpt.log" 2>&1 &
   wait
-  tail -5 "$OUT"/*.log
+  tail -n 5 "$OUT"/*.log
   ;;
 pair-auto)
   (CUDA_VISIBLE_DEVICES=0 bash "$0" 3 && CUDA_VISIBLE_DEVICES=0 timeout 150 bash "$0" grouped) \
     > "$OUT/auto_grouped.log" 2>&1 &
   CUDA_VISIBLE_DEVICES=1 bash "$0" accept humaneval > "$OUT/accept_humaneval.log" 2>&1 &
   wait
-  tail -5 "$OUT"/*.log
+  tail -n 5 "$OUT"/*.log
+  ;;
+pair-grouped)
+  CUDA_VISIBLE_DEVICES=0 timeout 400 bash "$0" grouped > "$OUT/grouped.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout 560 python bench/roofline.py --models moonlight-16b-a3b \
+    --batches 1 4 16 64 256 --tokens 1 16 17 --max-tokens 4400 --repeats 3 \
+    --moe-shapes 1x16 256x16 --out "$OUT/roofline_moonlight.json" \
+    --fit-cost "$OUT/cost_moonlight.json" > "$OUT/roofline.log" 2>&1 &
+  wait
+  tail -n 5 "$OUT"/*.log
   ;;
 train-all)  # after stage 3 (the GGUF assembled; carry .traincache/data-turns-all): continue
             # the shipped drafter on every training turn, regenerating them in the same call

@@ -7,9 +7,9 @@ experts (kdj.models.deepseek.expert_swiglu_gathered, through ExpertWeight.matvec
     kernel   the Pallas gathered GEMV (kdj/pallas/expert_gemv.py; what a GPU runs)
     xla      the same layer with the kernel switched off: XLA gathers (and dequantises) the
              experts, then one matvec each (the CPU path and the kernel's reference)
-    ragged   jax.lax.ragged_dot over all experts (the grouped-GEMM path, for many tokens)
-    grouped  the Pallas grouped kernel (kdj/pallas/expert_grouped.py), a candidate for that
-             path: each touched expert's weights read once per block of 16 of its rows
+    ragged   jax.lax.ragged_dot over all experts (XLA's grouped GEMM: the CPU path)
+    grouped  the Pallas grouped kernel (kdj/pallas/expert_grouped.py), the layer's path for
+             many tokens on the GPU: each touched expert read once per block of 16 of its rows
 
 and, with --tiles, the kernel alone on the gate/up matrix [E, D, 2I] for each tile setting
 "block_k,block_f,num_warps,num_stages" (block_k counts words for int4).
@@ -38,8 +38,13 @@ import numpy as np
 from kdj.checkpoints.quant import quant_fp8_stacked, quant_int4_stacked
 from kdj.config import ModelConfig, load_yaml
 from kdj.models import deepseek
-from kdj.models.deepseek import ExpertWeight, expert_swiglu, expert_swiglu_gathered
-from kdj.pallas import expert_gemv, expert_grouped
+from kdj.models.deepseek import (
+    ExpertWeight,
+    expert_swiglu,
+    expert_swiglu_gathered,
+    expert_swiglu_grouped,
+)
+from kdj.pallas import expert_gemv
 
 
 def xla_gathered(*args):
@@ -52,22 +57,8 @@ def xla_gathered(*args):
         deepseek.gemv_kernel = keep
 
 
-def grouped(x, weights, idx, w_gate_up, w_down):
-    """expert_swiglu's contract through the Pallas grouped kernel (kdj/pallas/
-    expert_grouped.py): each touched expert read once per 16 of its rows. Lives here, not in
-    the MoE layer, until this bench says it beats ragged_dot."""
-    N, k = idx.shape
-    flat = idx.reshape(-1)
-    wgu, wd = ExpertWeight.of(w_gate_up), ExpertWeight.of(w_down)
-    I = wgu.value.shape[-1]
-    h = expert_grouped.expert_grouped(jnp.repeat(x, k, axis=0), flat, *wgu.matrix(), wgu.fmt)
-    h = jax.nn.silu(h[:, :I]) * h[:, I:]  # gate/up [2, I] flattened: gate first
-    y = expert_grouped.expert_grouped(h.astype(x.dtype), flat, *wd.matrix(), wd.fmt)
-    return (y.reshape(N, k, -1) * weights[..., None]).sum(1).astype(x.dtype)
-
-
 VARIANTS = {"kernel": expert_swiglu_gathered, "xla": xla_gathered, "ragged": expert_swiglu,
-            "grouped": grouped}  # fmt: skip
+            "grouped": expert_swiglu_grouped}  # fmt: skip
 
 
 def stored_bytes(w: ExpertWeight, experts: int) -> int:

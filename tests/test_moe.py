@@ -189,3 +189,32 @@ def test_expert_kernels_lower_to_triton_modules_that_verify(kernel, fmt, monkeyp
     run = jax.jit(lambda x, ids, v, s: fn(x, ids, v, s, fmt, interpret=False))
     run.trace(x, ids, value, scale).lower(lowering_platforms=("cuda",))
     assert verified
+
+
+@pytest.mark.parametrize("fmt", ["float", "int4", "fp8"])
+def test_the_layer_takes_the_grouped_kernel_for_many_tokens(fmt, monkeypatch):
+    """Past the gather threshold, where the grouped kernel tiles the experts (on a GPU; here
+    forced and interpreted), local_experts runs it and computes the SwiGLU experts of the
+    dequantised weights (gate/up flattened to 2I columns, FP8 in whole 128 x 128 blocks)."""
+    monkeypatch.setattr(deepseek, "grouped_kernel", lambda w: True)
+    ran = []
+    kernel = expert_grouped.expert_grouped
+    monkeypatch.setattr(
+        expert_grouped, "expert_grouped", lambda *a, **k: ran.append(1) or kernel(*a, **k)
+    )
+    rng = np.random.default_rng(5)
+    E, D, I, k, tokens = 4, 128, 128, 2, 6  # 12 assignments > 0.25 per expert: grouped GEMMs
+    x = jnp.asarray(rng.standard_normal((tokens, D)), jnp.bfloat16)
+    idx = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(tokens)]), jnp.int32)
+    w = jnp.asarray(rng.random((tokens, k)), jnp.float32)
+    wgu = jnp.asarray(rng.standard_normal((E, D, 2, I)) * 0.1, jnp.bfloat16)
+    wd = jnp.asarray(rng.standard_normal((E, I, D)) * 0.1, jnp.bfloat16)
+    quant = functools.partial(quant_fp8_stacked, block=128) if fmt == "fp8" else None
+    q = [ExpertWeight(*(quant(a) if quant else quantised(a, fmt)), fmt) for a in (wgu, wd)]
+    dense = [np.asarray(a.dense(jnp.float32)) for a in q]
+    wg, wu = dense[0][:, :, 0], dense[0][:, :, 1]
+    xf, wf, idf = np.asarray(x, np.float32), np.asarray(w), np.asarray(idx)
+    want = dense_reference(xf, wf, idf, wg, wu, dense[1])
+    got = np.asarray(deepseek.local_experts(x, w, idx, *q, first=0), np.float32)
+    assert ran  # the kernel ran (twice per call: gate/up, then down)
+    np.testing.assert_allclose(got, want, rtol=0.05, atol=0.05)

@@ -30,7 +30,7 @@ from kdj.models.layers import (
     softmax_scale,
     zeros,
 )
-from kdj.pallas import expert_gemv
+from kdj.pallas import expert_gemv, expert_grouped
 
 
 class MLAAttention(nnx.Module):
@@ -164,6 +164,13 @@ class ExpertWeight:
         y = expert_gemv.expert_gemv(x, ids, *self.matrix(), self.fmt)
         return y.reshape(len(ids), *self.value.shape[2:])
 
+    def grouped(self, x, ids):
+        """Rows x [n, in] through one expert each, ids [n]: [n, *out] float32, with the rows
+        grouped by expert so each touched expert is read once per block of its rows: the
+        Pallas grouped kernel (kdj/pallas/expert_grouped.py; interpreted off the GPU)."""
+        y = expert_grouped.expert_grouped(x, ids, *self.matrix(), self.fmt)
+        return y.reshape(len(ids), *self.value.shape[2:])
+
     def matrix(self):
         """(value [E, in(/8), F], scale [E, in/g, F'] or None): the output axes flattened, as
         the Pallas expert kernels take them (a free reshape of the stored arrays)."""
@@ -184,6 +191,17 @@ def gemv_kernel(w: ExpertWeight) -> bool:
     K = value.shape[1] * (8 if w.fmt == "int4" else 1)
     shape = None if scale is None else scale.shape
     return jax.default_backend() == "gpu" and expert_gemv.supported(w.fmt, K, value.shape[2], shape)
+
+
+def grouped_kernel(w: ExpertWeight) -> bool:
+    """Whether the MoE layer runs the Pallas grouped kernel (`ExpertWeight.grouped`) on w:
+    on GPU, for the shapes it tiles. Decided at trace time."""
+    value, scale = w.matrix()
+    K = value.shape[1] * (8 if w.fmt == "int4" else 1)
+    shape = None if scale is None else scale.shape
+    return jax.default_backend() == "gpu" and expert_grouped.supported(
+        w.fmt, K, value.shape[2], shape
+    )
 
 
 def touched_experts(flat, size: int):
@@ -222,6 +240,20 @@ def expert_swiglu(x, weights, idx, w_gate_up, w_down):
     return jnp.zeros_like(x).at[token].add(y.astype(x.dtype))
 
 
+def _swiglu_by_assignment(x, weights, idx, w_gate_up, w_down, matmul):
+    """expert_swiglu's contract, one row per token-expert assignment: matmul(w, rows [n, in],
+    ids [n]) -> [n, *out] float32 runs each row through its expert."""
+    wgu, wd = ExpertWeight.of(w_gate_up), ExpertWeight.of(w_down)
+    N, k = idx.shape
+    flat = idx.reshape(-1)
+    xs = jnp.repeat(x, k, axis=0)  # [N*k, D], assignment j belongs to token j // k
+    h = matmul(wgu, xs, flat)  # [N*k, 2, I] float32
+    h = jax.nn.silu(h[:, 0]) * h[:, 1]
+    y = matmul(wd, h.astype(x.dtype), flat)  # [N*k, D] float32
+    y = y.reshape(N, k, -1) * weights[..., None]
+    return y.sum(1).astype(x.dtype)
+
+
 def expert_swiglu_gathered(x, weights, idx, w_gate_up, w_down):
     """Routed expert compute for a handful of tokens: gather each assignment's expert weights.
 
@@ -229,15 +261,14 @@ def expert_swiglu_gathered(x, weights, idx, w_gate_up, w_down):
     included), dequantising just those, which beats grouped GEMMs when N * k is far below E:
     decode at small batch.
     """
-    wgu, wd = ExpertWeight.of(w_gate_up), ExpertWeight.of(w_down)
-    N, k = idx.shape
-    flat = idx.reshape(-1)
-    xs = jnp.repeat(x, k, axis=0)  # [N*k, D], assignment j belongs to token j // k
-    h = wgu.matvec(xs, flat)  # [N*k, 2, I] float32
-    h = jax.nn.silu(h[:, 0]) * h[:, 1]
-    y = wd.matvec(h.astype(x.dtype), flat)  # [N*k, D] float32
-    y = y.reshape(N, k, -1) * weights[..., None]
-    return y.sum(1).astype(x.dtype)
+    return _swiglu_by_assignment(x, weights, idx, w_gate_up, w_down, ExpertWeight.matvec)
+
+
+def expert_swiglu_grouped(x, weights, idx, w_gate_up, w_down):
+    """Routed expert compute through the Pallas grouped kernel (GPU): rows sorted by expert in
+    blocks of 16, each touched expert read once per block, dequantised tile by tile. Same
+    contract as `expert_swiglu`."""
+    return _swiglu_by_assignment(x, weights, idx, w_gate_up, w_down, ExpertWeight.grouped)
 
 
 # Up to this many token-expert assignments per expert, gathering beats grouped GEMMs.
@@ -332,7 +363,7 @@ def local_experts(x, weights, idx, w_gate_up, w_down, first):
 
     Assignments to other experts get weight 0 (another shard computes them). The path is
     chosen at trace time from static shapes: gathering the selected experts' weights for a
-    handful of tokens, grouped GEMMs otherwise.
+    handful of tokens, grouped GEMMs otherwise (the Pallas kernel on GPU, else ragged_dot).
     """
     w_gate_up, w_down = ExpertWeight.of(w_gate_up), ExpertWeight.of(w_down)
     E_local = w_gate_up.num_experts
@@ -341,8 +372,12 @@ def local_experts(x, weights, idx, w_gate_up, w_down, first):
     weights = jnp.where(mine, weights, 0.0)
     local = jnp.where(mine, local, 0)
     path = "kernel" if gemv_kernel(w_gate_up) and gemv_kernel(w_down) else "xla"
-    few = idx.size <= GATHER_MAX_ASSIGNMENTS_PER_EXPERT[path] * E_local
-    experts = expert_swiglu_gathered if few else expert_swiglu
+    if idx.size <= GATHER_MAX_ASSIGNMENTS_PER_EXPERT[path] * E_local:
+        experts = expert_swiglu_gathered
+    elif grouped_kernel(w_gate_up) and grouped_kernel(w_down):
+        experts = expert_swiglu_grouped
+    else:
+        experts = expert_swiglu  # XLA's ragged_dot: CPU, and shapes the kernel cannot tile
     return experts(x, weights, local, w_gate_up, w_down)
 
 

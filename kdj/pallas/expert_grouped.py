@@ -20,8 +20,9 @@ loop runs zero times). Quantised weights are dequantised tile by tile in registe
     operands are bf16 whatever x's dtype.
   * fp8: a tile never straddles a scale block, so it has one scale.
 
-Status: measured against XLA's ragged_dot by bench/expert_gather.py (variant "grouped");
-the MoE layer keeps ragged_dot until that measurement says otherwise.
+The MoE layer runs it on the GPU for more tokens than the gathered GEMV takes
+(kdj/models/deepseek.py, `local_experts`); bench/expert_gather.py measures it against XLA's
+ragged_dot (variants "grouped" and "ragged").
 """
 
 from __future__ import annotations
@@ -109,9 +110,17 @@ def _kernel(be_ref, rows_ref, x_ref, w_ref, *rest, fmt, K, F, bm, bk, bf, wpg, b
     o_ref[...] = lax.cond(e >= 0, lambda: lax.fori_loop(0, K // bk, body, zero), lambda: zero)
 
 
-def supported(fmt: str, K: int, F: int, scale_shape=None, bk: int = 128) -> bool:
-    """Whether the kernel takes a [E, K, F] matrix in `fmt` (K: inputs) with K tiles of bk.
-    Tensor-core dots need K >= 16 per dot: bk inputs (float, FP8), bk / 8 words (INT4)."""
+def tile_k(K: int, block_k: int = 128) -> int:
+    """The K tile: at most block_k, and it must divide K (at most K's largest power-of-two
+    factor)."""
+    return min(block_k, K & -K)
+
+
+def supported(fmt: str, K: int, F: int, scale_shape=None, bk: int | None = None) -> bool:
+    """Whether the kernel takes a [E, K, F] matrix in `fmt` (K: inputs) with K tiles of bk
+    (default `tile_k(K)`). Tensor-core dots need K >= 16 per dot: bk inputs (float, FP8),
+    bk / 8 words (INT4)."""
+    bk = tile_k(K) if bk is None else bk
     if K % bk or bk < (128 if fmt == "int4" else 16):
         return False
     if fmt == "int4":
@@ -137,7 +146,7 @@ def expert_grouped(x, ids, value, scale=None, fmt: str = "float", *,
     E, rows_w, F = value.shape
     if rows_w * (8 if fmt == "int4" else 1) != K:
         raise ValueError(f"expert weights {value.shape} ({fmt}) do not match inputs of width {K}")
-    bk = min(block_k, K & -K)  # K tiles must divide K: at most its largest power-of-two factor
+    bk = tile_k(K, block_k)
     sshape = None if scale is None else scale.shape
     if not supported(fmt, K, F, sshape, bk):
         raise ValueError(f"{fmt} weights {value.shape} do not tile by K tiles of {bk}")
@@ -159,4 +168,4 @@ def expert_grouped(x, ids, value, scale=None, fmt: str = "float", *,
     return y[row_of, :F]
 
 
-__all__ = ["blocks", "expert_grouped", "supported"]
+__all__ = ["blocks", "expert_grouped", "supported", "tile_k"]
