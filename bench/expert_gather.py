@@ -138,19 +138,25 @@ def case(experts, fmt: str, A: int, k: int, keys, args):
     pallas = bool(deepseek.gemv_kernel(wgu) and deepseek.gemv_kernel(experts[1]))
     base = {"format": fmt, "assignments": N * k, "touched": touched, "gemv_kernel": pallas}
 
-    def timed(name, nbytes, fn, *operands):
+    def timed(name, nbytes, fn, *operands, check=None):
         row = {**base, "variant": name, "bytes": nbytes}
         try:
             s = seconds_per_call(fn, x, args.iters, *operands)
-            return {**row, "us": s * 1e6, "TBps": nbytes / s / 1e12}
+            row |= {"us": s * 1e6, "TBps": nbytes / s / 1e12}
+            if check is not None:  # max |y - ragged_dot's y| / max |ragged_dot's y|
+                y = np.asarray(jax.jit(check)(x, weights, idx, *experts), np.float32)
+                row["rel_err"] = float(np.abs(y - ref).max() / np.abs(ref).max())
+            return row
         except Exception as e:  # noqa: BLE001 - a variant that fails to lower is a result
             return {**row, "error": repr(e)[:300]}
 
+    # the XLA ragged_dot path (dequantised weights) is every variant's numerical reference
+    ref = np.asarray(jax.jit(expert_swiglu)(x, weights, idx, *experts), np.float32)
     nbytes = sum(stored_bytes(w, touched) for w in experts)
     for name in args.variants:
         fn = VARIANTS[name]
         yield timed(name, nbytes, lambda x, i, w, gu, d, fn=fn: fn(x, w, (idx + i) % E, gu, d),
-                    weights, *experts)  # fmt: skip
+                    weights, *experts, check=fn)  # fmt: skip
     # the kernel alone on gate/up [E, D, 2I], per tile setting: bytes are gate/up's share
     value = wgu.value.reshape(E, wgu.value.shape[1], -1)
     scale = None if wgu.scale is None else wgu.scale.reshape(E, wgu.scale.shape[1], -1)
