@@ -11,7 +11,8 @@ experts (kdj.models.deepseek.expert_swiglu_gathered, through ExpertWeight.matvec
     grouped  the Pallas grouped kernel (kdj/pallas/expert_grouped.py), the layer's path for
              many tokens on the GPU: each touched expert read once per block of 16 of its rows
 
-and, with --tiles, the kernel alone on the gate/up matrix [E, D, 2I] for each tile setting
+and, with --tiles (--grouped-tiles), the GEMV (grouped) kernel alone on the gate/up matrix
+[E, D, 2I] for each tile setting
 "block_k,block_f,num_warps,num_stages" (block_k counts words for int4).
 
     python bench/expert_gather.py --model moonlight-16b-a3b --assignments 6 96 \\
@@ -44,7 +45,7 @@ from kdj.models.deepseek import (
     expert_swiglu_gathered,
     expert_swiglu_grouped,
 )
-from kdj.pallas import expert_gemv
+from kdj.pallas import expert_gemv, expert_grouped
 
 
 def xla_gathered(*args):
@@ -91,6 +92,8 @@ def main(argv=None) -> list:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--tiles", nargs="*", default=[], help="kernel tile settings to sweep: "
                    "block_k,block_f,num_warps,num_stages")  # fmt: skip
+    p.add_argument("--grouped-tiles", nargs="*", default=[], help="grouped kernel tile "
+                   "settings to sweep: block_m,block_k,block_f,num_warps,num_stages")  # fmt: skip
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out")
     args = p.parse_args(argv)
@@ -170,6 +173,15 @@ def case(experts, fmt: str, A: int, k: int, keys, args):
             return y[::k].mean(axis=1, keepdims=True)  # [N, 1]: broadcasts to x
 
         yield timed(f"gemv_gate_up[{tiles}]", stored_bytes(wgu, touched), gemv, value, scale)
+    for tiles in args.grouped_tiles:
+        bm, bk, bf, nw, ns = (int(t) for t in tiles.split(","))
+        opts = dict(block_m=bm, block_k=bk, block_f=bf, num_warps=nw, num_stages=ns)
+
+        def grouped(x, i, v, s, opts=opts):
+            y = expert_grouped.expert_grouped(xs, (flat + i) % E, v, s, fmt, **opts)
+            return y[::k].mean(axis=1, keepdims=True)  # [N, 1]: broadcasts to x
+
+        yield timed(f"grouped_gate_up[{tiles}]", stored_bytes(wgu, touched), grouped, value, scale)
 
 
 def wd_width(experts) -> int:
