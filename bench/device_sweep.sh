@@ -155,14 +155,14 @@ pair-grouped)
   tail -n 5 "$OUT"/*.log
   ;;
 grouped-tiles)  # two GPUs: the grouped kernel's row block (block_m) and tiles, bf16 | INT4
-  CUDA_VISIBLE_DEVICES=0 quiet timeout 280 python bench/expert_gather.py --model moonlight-16b-a3b \
+  (export CUDA_VISIBLE_DEVICES=0; quiet timeout 280 python bench/expert_gather.py --model moonlight-16b-a3b \
     --assignments 96 384 1536 6144 24576 --formats float --variants grouped --iters 10 \
     --grouped-tiles 16,128,64,4,3 32,128,64,4,3 64,128,64,4,3 64,64,128,8,3 128,64,128,8,3 \
-    128,32,128,8,3 --out "$OUT/grouped_tiles_float.json" > "$OUT/tiles_float.log" &
-  CUDA_VISIBLE_DEVICES=1 quiet timeout 280 python bench/expert_gather.py --model moonlight-16b-a3b \
+    128,32,128,8,3 --out "$OUT/grouped_tiles_float.json") > "$OUT/tiles_float.log" &
+  (export CUDA_VISIBLE_DEVICES=1; quiet timeout 280 python bench/expert_gather.py --model moonlight-16b-a3b \
     --assignments 96 384 1536 6144 24576 --formats int4 --variants grouped --iters 10 \
     --grouped-tiles 16,128,64,4,3 32,128,64,4,3 64,128,64,4,3 64,128,128,8,3 128,128,64,8,3 \
-    --out "$OUT/grouped_tiles_int4.json" > "$OUT/tiles_int4.log" &
+    --out "$OUT/grouped_tiles_int4.json") > "$OUT/tiles_int4.log" &
   wait
   tail -n 3 "$OUT"/*.log
   ;;
