@@ -142,7 +142,8 @@ def test_row_blocks_hold_each_assignment_once_under_its_expert():
 
 
 @pytest.mark.parametrize("fmt", ["float", "int4", "fp8"])
-@pytest.mark.parametrize("n", [3, 37])  # a few rows per expert, then several blocks of one
+# a few rows per expert, several blocks of one (16 rows), then 66 per expert: the big tiles
+@pytest.mark.parametrize("n", [3, 37, 330])
 def test_grouped_kernel_matches_the_dequantised_weights(fmt, n):
     """The grouped kernel (interpreted) computes x @ W[id] per row; dequantised tiles are
     rounded to the input dtype (bf16) before the tensor-core dot, as XLA's path rounds them."""
@@ -163,8 +164,8 @@ def test_grouped_kernel_matches_the_dequantised_weights(fmt, n):
 
 
 @pytest.mark.parametrize("fmt", ["float", "int4", "fp8"])
-@pytest.mark.parametrize("kernel", ["gemv", "grouped"])
-def test_expert_kernels_lower_to_triton_modules_that_verify(kernel, fmt, monkeypatch):
+@pytest.mark.parametrize("kernel, n", [("gemv", 24), ("grouped", 24), ("grouped", 300)])
+def test_expert_kernels_lower_to_triton_modules_that_verify(kernel, n, fmt, monkeypatch):
     """Lowered for CUDA on this CPU, each Triton module passes MLIR's verifier: what XLA
     checks first on a GPU. Interpreted runs cannot catch this (on the H200 the grouped
     kernel's loop over a traced trip count failed here: scf.for bounds of two types)."""
@@ -181,7 +182,7 @@ def test_expert_kernels_lower_to_triton_modules_that_verify(kernel, fmt, monkeyp
 
     lower_to_triton = lowering.lower_jaxpr_to_triton_module
     monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
-    E, K, F, n = 4, 256, 128, 24
+    E, K, F = 4, 256, 128  # n = 300: 75 rows per expert, the grouped kernel's big tiles
     w = jnp.zeros((E, K, F), jnp.bfloat16)
     value, scale = quant_fp8_stacked(w, block=128) if fmt == "fp8" else quantised(w, fmt)
     x, ids = jnp.zeros((n, K), jnp.bfloat16), jnp.zeros((n,), jnp.int32)
