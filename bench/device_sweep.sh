@@ -166,6 +166,17 @@ grouped-tiles)  # two GPUs: the grouped kernel's row block (block_m) and tiles, 
   wait
   tail -n 3 "$OUT"/*.log
   ;;
+grouped-auto)  # two GPUs: the grouped kernel with its tiles chosen by rows per expert (GPU 0);
+               # the Moonlight MoE layer alone at 1x16 and 256x16 tokens (GPU 1)
+  (export CUDA_VISIBLE_DEVICES=0; quiet timeout 170 python bench/expert_gather.py \
+    --model moonlight-16b-a3b --assignments 96 1536 6144 24576 --formats float int4 fp8 \
+    --variants grouped --iters 10 --out "$OUT/grouped_auto.json") > "$OUT/grouped_auto.log" &
+  (export CUDA_VISIBLE_DEVICES=1; quiet timeout 170 python bench/roofline.py \
+    --models moonlight-16b-a3b --batches 1 --tokens 1 --moe-shapes 1x16 256x16 --repeats 3 \
+    --out "$OUT/moe_layer.json") > "$OUT/moe_layer.log" &
+  wait
+  tail -n 4 "$OUT"/*.log
+  ;;
 train-all)  # after stage 3 (the GGUF assembled; carry .traincache/data-turns-all): continue
             # the shipped drafter on every training turn, regenerating them in the same call
   bench/train_smollm2_drafter.sh --config configs/train/smollm2-b16-all-turns.yaml \
