@@ -17,6 +17,10 @@ bf16 matmul rate measured in the same run. For MoE models the MoE layer is also 
 
     python bench/roofline.py --models kimi-k2-slice --experts bf16 int4 --out $OUT/roofline.json
 
+With --fit-cost, a kdj.cost.StepCost is fitted to the measured steps (with their residuals)
+and saved for method="auto"; --fit-from RUN.json fits it from an earlier run's rows on any
+machine, measuring nothing.
+
 Models: "smollm2-135m-instruct" (real weights), a configs/models/<name>.yaml name or a YAML
 path (random weights: speed does not depend on the values, except MoE routing, which a random
 router spreads about uniformly). --experts bf16 int4 runs both formats on the SAME random
@@ -335,18 +339,21 @@ def plot(result: dict, path: Path) -> bool:
 
 # ------------------------------------------------------------------------------ main
 def fit_cost(cfg, rows, args, name, fmt) -> None:
-    """Fit kdj.cost.StepCost (fixed, per byte, per FLOP) to this model's measured steps and
-    save it where method="auto" can load it (generate(..., cost=path))."""
+    """Fit kdj.cost.StepCost (fixed, per byte, per FLOP) to this model's measured steps, keep
+    the measured / predicted ratio of each (`StepCost.with_residuals`), and save it where
+    method="auto" can load it (generate(..., cost=path))."""
     from kdj.cost import StepCost
 
     measured = [(r["batch"], r["tokens_per_seq"], r["context"], r["step_ms"] / 1e3) for r in rows]
-    cost = StepCost.for_config(cfg).fit(measured)
+    fitted = StepCost.for_config(cfg).fit(measured)
+    cost = fitted.with_residuals(measured)  # exact at the measured steps
     path = Path(args.fit_cost)
     if len(args.models) > 1 or len(args.experts) > 1:
         path = path.with_name(f"{path.stem}_{Path(name).stem}_{fmt}{path.suffix}")
     cost.save(path)
-    worst = max(abs(cost.seconds(b, t, c) / s - 1) for b, t, c, s in measured)
-    print(f"step cost fitted to {len(measured)} steps (worst relative error {worst:.0%}): "
+    worst = max(abs(fitted.seconds(b, t, c) / s - 1) for b, t, c, s in measured)
+    print(f"step cost fitted to {len(measured)} steps (worst relative error before the "
+          f"residuals {worst:.0%}): "
           f"fixed {cost.fixed_s * 1e3:.3f} ms, "
           f"{1e-12 / cost.per_byte_s if cost.per_byte_s else float('inf'):.2f} TB/s, "
           f"{1e-12 / cost.per_flop_s if cost.per_flop_s else float('inf'):.0f} TFLOP/s "
@@ -457,7 +464,21 @@ def main(argv=None):
         "--fit-cost",
         help="also fit a kdj.cost.StepCost to the measured steps and save it here (JSON)",
     )
+    p.add_argument("--fit-from", help="an earlier run's JSON: measure nothing, only fit "
+                   "--fit-cost to its rows of --models (one) and --experts (one)")  # fmt: skip
     args = p.parse_args(argv)
+    if args.fit_from:
+        if not args.fit_cost or len(args.models) != 1 or len(args.experts) != 1:
+            p.error("--fit-from needs --fit-cost, one --models and one --experts")
+        cfg = model_config(args.models[0])
+        cfg = cfg.replace(num_layers=args.layers) if args.layers else cfg
+        rows = [r for r in json.loads(Path(args.fit_from).read_text())["rows"]
+                if r["model"].split(" (")[0] == args.models[0]
+                and r["experts"] == args.experts[0]]  # fmt: skip
+        if not rows:
+            p.error(f"{args.fit_from} has no rows of {args.models[0]} ({args.experts[0]})")
+        args.argv = argv
+        return fit_cost(cfg, rows, args, args.models[0], args.experts[0])
     if len(args.experts) > 2 or len(args.experts) == 2 and args.experts[0] != "bf16":
         p.error("--experts: one format, or bf16 then one quantised format made from its weights")
     args.argv = argv

@@ -17,7 +17,10 @@ it with the same coefficients. Its fixed part is fixed_s scaled by its share of 
 (launch overhead grows with the kernels a pass runs).
 
 The three coefficients are fitted to step times measured on the current GPU (`fit`, fed by
-`kdj bench`) and saved as JSON next to the model; `for_config` is a conservative default
+`kdj bench`) and saved as JSON next to the model, with the measured / predicted ratio at each
+measured target step (`with_residuals`): three coefficients miss single steps by 5-15%, enough
+to turn a 7% win into a predicted loss, so predictions are scaled by the measured ratio
+(interpolated between measured batch sizes); `for_config` is a conservative default
 (half of an H200's 4.3 TB/s and 40% of its ~600 TFLOP/s bf16 rate, 0.3 ms fixed).
 """
 
@@ -57,6 +60,11 @@ class StepCost:
     # x vocabulary candidates do not fill the GPU at small batch: at batch 1 on the H200 a
     # 64-node tree step costs 0.6 ms more than a 16-node one)
     per_tree_node_s: float = 0.0
+    # measured / predicted target step time where `kdj bench` measured it: ((batch,
+    # tokens_per_seq, ratio), ...). `seconds` scales the prediction by it, so the model is
+    # exact at the measured steps (the three coefficients leave 5-15% there); a tuple so the
+    # cost stays hashable (a static argument of the jitted loop).
+    residuals: tuple = ()
 
     @classmethod
     def for_config(cls, cfg: ModelConfig, dtype_bytes: int = 2) -> StepCost:
@@ -127,9 +135,33 @@ class StepCost:
         return bytes_, flops
 
     def seconds(self, batch, tokens_per_seq, context):
-        """Predicted step time: batch sequences, tokens_per_seq verified each, at context."""
+        """Predicted step time: batch sequences, tokens_per_seq verified each, at context,
+        corrected by the measured residual (`residual`; batch and tokens_per_seq static)."""
         b, f = self.terms(batch, tokens_per_seq, context)
-        return self.fixed_s + b * self.per_byte_s + f * self.per_flop_s
+        model = self.fixed_s + b * self.per_byte_s + f * self.per_flop_s
+        return model * self.residual(batch, tokens_per_seq) if self.residuals else model
+
+    def residual(self, batch: int, tokens_per_seq: int) -> float:
+        """Measured / predicted step time at this many tokens per sequence: the measured
+        ratio at this batch, else interpolated in log2(batch) between the measured batches
+        around it (the nearest one outside them); 1.0 where this T was never measured."""
+        pts = sorted((b, r) for b, t, r in self.residuals if t == tokens_per_seq)
+        if not pts:
+            return 1.0
+        x = np.log2(float(batch))
+        xs, rs = np.log2([float(b) for b, _ in pts]), [r for _, r in pts]
+        return float(np.interp(x, xs, rs))
+
+    def measured_at(self, batch: int, tokens_per_seq: int) -> bool:
+        """Whether `kdj bench` measured this step (a residual exactly here)."""
+        return any(b == batch and t == tokens_per_seq for b, t, _ in self.residuals)
+
+    def with_residuals(self, rows) -> StepCost:
+        """This cost, corrected at the measured target steps rows of (batch, tokens_per_seq,
+        context, seconds) (see `residual`)."""
+        plain = dataclasses.replace(self, residuals=())
+        res = tuple((int(b), int(t), float(s / plain.seconds(b, t, c))) for b, t, c, s in rows)
+        return dataclasses.replace(self, residuals=res)
 
     def draft_seconds(self, batch, context, nodes=0):
         """Predicted time of one draft pass for batch sequences at context, building a tree
@@ -190,4 +222,5 @@ class StepCost:
         unknown = set(data) - names
         if unknown:
             raise ValueError(f"{path}: unknown step-cost fields {sorted(unknown)}")
+        data["residuals"] = tuple(tuple(r) for r in data.get("residuals", ()))
         return cls(**data)

@@ -87,6 +87,45 @@ def test_fit_recovers_known_coefficients(tmp_path):
         StepCost.load(tmp_path / "bad.json")
 
 
+def test_residuals_make_the_model_exact_at_measured_steps(tmp_path):
+    """with_residuals: measured / predicted per measured (batch, T); seconds() is exact there,
+    interpolated in log2(batch) between measured batches, clamped outside them, and the plain
+    model for a T never measured. The residuals survive save / load and keep the cost
+    hashable (it is a static argument of the jitted loop)."""
+    base = StepCost.for_config(moonlight())
+    c = 512
+    rows = [(1, 1, c, 1.2 * float(base.seconds(1, 1, c))),
+            (16, 1, c, 0.8 * float(base.seconds(16, 1, c))),
+            (16, 17, c, 1.1 * float(base.seconds(16, 17, c)))]  # fmt: skip
+    cost = base.with_residuals(rows)
+    for b, t, ctx, s in rows:
+        assert float(cost.seconds(b, t, ctx)) == pytest.approx(s)
+        assert cost.measured_at(b, t)
+    assert not cost.measured_at(4, 1) and not cost.measured_at(16, 16)
+    assert cost.residual(4, 1) == pytest.approx(1.0)  # halfway from 1.2 to 0.8 in log2(batch)
+    assert cost.residual(256, 1) == pytest.approx(0.8) and cost.residual(1, 17) == 1.1
+    assert cost.residual(4, 65) == 1.0  # T = 65 never measured: the model alone
+    assert float(cost.seconds(4, 65, c)) == float(base.seconds(4, 65, c))
+    assert StepCost.load(cost.save(tmp_path / "cost.json")) == cost
+    hash(cost)
+
+
+def test_the_menu_margin_shrinks_where_both_steps_were_measured():
+    """A tree predicted to beat plain decoding by 7% is no reason to draft when the model
+    priced it (MENU_MARGIN covers its error), and is when both steps at this batch were
+    measured (the residuals: MEASURED_MARGIN)."""
+    shapes = (DraftShape("none"), DraftShape("tree", 16))
+    base = dataclasses.replace(StepCost.for_config(moonlight()), fixed_s=1.0, per_byte_s=0.0,
+                               per_flop_s=0.0)  # fmt: skip
+    tau = 1.07 * 2.0  # a tree step costs two plain steps (no draft pass priced here)
+    rows = [(16, 1, 100.0, 1.0), (16, 17, 100.0, 2.0)]
+    priced = dataclasses.replace(base, residuals=((16, 1, 1.0), (16, 17, 2.0)))
+    assert speculative.MEASURED_MARGIN < 0.07 < speculative.MENU_MARGIN
+    assert speculative.paying_menu(shapes, base.with_residuals(rows), 16, 100.0, tau) == shapes
+    # the same prices from the model alone at a batch without measurements: dropped
+    assert speculative.paying_menu(shapes, priced, 8, 100.0, tau) == shapes[:1]
+
+
 def test_fit_with_drafted_steps_recovers_the_draft_terms():
     """Decode-loop rows: AR steps alone and whole speculative steps (draft pass + a tree of
     n nodes + verify) pin down the drafting overhead and per-node tree cost too."""

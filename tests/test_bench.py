@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kdj.cli import main
 
 TINY_MOE = """
@@ -62,6 +64,15 @@ def test_roofline_smoke(tmp_path):
         cost = StepCost.load(tmp_path / f"cost_tiny-moe_{fmt}.json")
         assert cost.moe_layers == 1 and cost.num_experts == 16
         assert min(cost.fixed_s, cost.per_byte_s, cost.per_flop_s) >= 0
+    # exact at every measured step; --fit-from refits the same cost from the saved rows alone
+    for r in rows:
+        cost = StepCost.load(tmp_path / f"cost_tiny-moe_{r['experts']}.json")
+        assert cost.measured_at(r["batch"], 1)
+        assert float(cost.seconds(r["batch"], 1, 8)) == pytest.approx(r["step_ms"] / 1e3)
+    refit = ["--models", str(cfg), "--experts", "int4", "--fit-from", str(out),
+             "--fit-cost", str(tmp_path / "refit.json")]  # fmt: skip
+    assert main(["bench", *refit]) == 0
+    assert StepCost.load(tmp_path / "refit.json") == cost
 
 
 def test_expert_gather_smoke(tmp_path):

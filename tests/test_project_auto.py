@@ -56,7 +56,8 @@ def project(d, cost_path, out):
 
 def with_coefficients(d, name, **coef):
     path = d / name
-    dataclasses.replace(StepCost.load(d / "cost.json"), **coef).save(path)
+    # synthetic coefficients: the fitted residuals (ratios to the fitted model) no longer apply
+    dataclasses.replace(StepCost.load(d / "cost.json"), residuals=(), **coef).save(path)
     return path
 
 
