@@ -164,13 +164,6 @@ class ExpertWeight:
         y = expert_gemv.expert_gemv(x, ids, *self.matrix(), self.fmt)
         return y.reshape(len(ids), *self.value.shape[2:])
 
-    def grouped(self, x, ids):
-        """Rows x [n, in] through one expert each, ids [n]: [n, *out] float32, with the rows
-        grouped by expert so each touched expert is read once per block of its rows: the
-        Pallas grouped kernel (kdj/pallas/expert_grouped.py; interpreted off the GPU)."""
-        y = expert_grouped.expert_grouped(x, ids, *self.matrix(), self.fmt)
-        return y.reshape(len(ids), *self.value.shape[2:])
-
     def matrix(self):
         """(value [E, in(/8), F], scale [E, in/g, F'] or None): the output axes flattened, as
         the Pallas expert kernels take them (a free reshape of the stored arrays)."""
@@ -240,20 +233,6 @@ def expert_swiglu(x, weights, idx, w_gate_up, w_down):
     return jnp.zeros_like(x).at[token].add(y.astype(x.dtype))
 
 
-def _swiglu_by_assignment(x, weights, idx, w_gate_up, w_down, matmul):
-    """expert_swiglu's contract, one row per token-expert assignment: matmul(w, rows [n, in],
-    ids [n]) -> [n, *out] float32 runs each row through its expert."""
-    wgu, wd = ExpertWeight.of(w_gate_up), ExpertWeight.of(w_down)
-    N, k = idx.shape
-    flat = idx.reshape(-1)
-    xs = jnp.repeat(x, k, axis=0)  # [N*k, D], assignment j belongs to token j // k
-    h = matmul(wgu, xs, flat)  # [N*k, 2, I] float32
-    h = jax.nn.silu(h[:, 0]) * h[:, 1]
-    y = matmul(wd, h.astype(x.dtype), flat)  # [N*k, D] float32
-    y = y.reshape(N, k, -1) * weights[..., None]
-    return y.sum(1).astype(x.dtype)
-
-
 def expert_swiglu_gathered(x, weights, idx, w_gate_up, w_down):
     """Routed expert compute for a handful of tokens: gather each assignment's expert weights.
 
@@ -261,14 +240,39 @@ def expert_swiglu_gathered(x, weights, idx, w_gate_up, w_down):
     included), dequantising just those, which beats grouped GEMMs when N * k is far below E:
     decode at small batch.
     """
-    return _swiglu_by_assignment(x, weights, idx, w_gate_up, w_down, ExpertWeight.matvec)
+    wgu, wd = ExpertWeight.of(w_gate_up), ExpertWeight.of(w_down)
+    N, k = idx.shape
+    flat = idx.reshape(-1)
+    xs = jnp.repeat(x, k, axis=0)  # [N*k, D], assignment j belongs to token j // k
+    h = wgu.matvec(xs, flat)  # [N*k, 2, I] float32
+    h = jax.nn.silu(h[:, 0]) * h[:, 1]
+    y = wd.matvec(h.astype(x.dtype), flat)  # [N*k, D] float32
+    y = y.reshape(N, k, -1) * weights[..., None]
+    return y.sum(1).astype(x.dtype)
 
 
 def expert_swiglu_grouped(x, weights, idx, w_gate_up, w_down):
-    """Routed expert compute through the Pallas grouped kernel (GPU): rows sorted by expert in
-    blocks of 16, each touched expert read once per block, dequantised tile by tile. Same
-    contract as `expert_swiglu`."""
-    return _swiglu_by_assignment(x, weights, idx, w_gate_up, w_down, ExpertWeight.grouped)
+    """Routed expert compute through the Pallas grouped kernel (GPU; interpreted elsewhere).
+    Same contract as `expert_swiglu`.
+
+    The assignments are sorted by expert into row blocks once (kdj/pallas/expert_grouped.py);
+    gate/up reads each block's token rows straight from x, and the down projection takes the
+    SwiGLU activations in that same padded order, so nothing is repeated or permuted between
+    the two matmuls. Each touched expert is read once per block of its rows."""
+    wgu, wd = ExpertWeight.of(w_gate_up), ExpertWeight.of(w_down)
+    N, k = idx.shape
+    E, I, D = wgu.num_experts, wd.value.shape[1] * (8 if wd.fmt == "int4" else 1), x.shape[1]
+    flat = idx.reshape(-1)
+    t_gu = expert_grouped.tiles(wgu.fmt, flat.size / E)
+    t_d = expert_grouped.tiles(wd.fmt, flat.size / E) | {"block_m": t_gu["block_m"]}
+    rows, be = expert_grouped.blocks(flat, E, t_gu["block_m"])  # assignment per padded row
+    token = jnp.where(rows >= 0, rows // k, -1)
+    h = expert_grouped.grouped_matmul(x, token, be, *wgu.matrix(), wgu.fmt, **t_gu)  # [P, 2I]
+    h = (jax.nn.silu(h[:, :I]) * h[:, I:]).astype(x.dtype)  # gate columns first
+    same = jnp.where(rows >= 0, jnp.arange(rows.shape[0]), -1)
+    y = expert_grouped.grouped_matmul(h, same, be, *wd.matrix(), wd.fmt, **t_d)  # [P, D]
+    y = y[expert_grouped.positions(rows, flat.size)].reshape(N, k, D) * weights[..., None]
+    return y.sum(1).astype(x.dtype)
 
 
 # Up to this many token-expert assignments per expert, gathering beats grouped GEMMs.

@@ -153,23 +153,19 @@ def tiles(fmt: str, rows_per_expert: float) -> dict:
     return dict(block_m=64, block_k=128, block_f=64, num_warps=4)
 
 
-def expert_grouped(x, ids, value, scale=None, fmt: str = "float", *,
-                   interpret: bool | None = None, block_m: int | None = None,
-                   block_k: int | None = None, block_f: int | None = None,
-                   num_warps: int | None = None, num_stages: int = 3):  # fmt: skip
-    """y[a] = x[a] @ W[ids[a]] (see the module docstring). x [n, K]; ids [n] int32; value,
-    scale: an expert matrix as stored, 3-D [E, K(/8), F]. Returns [n, F] float32.
-    Tile settings left None come from `tiles` (by the mean rows per expert).
+def grouped_matmul(x, rows, block_expert, value, scale=None, fmt: str = "float", *,
+                   block_m: int, block_k: int, block_f: int, num_warps: int,
+                   num_stages: int = 3, interpret: bool | None = None):  # fmt: skip
+    """The kernel on rows already laid out in blocks (`blocks`): padded row p is
+    x[rows[p]] @ W[block_expert[p // block_m]] (0 where rows[p] = -1). x [m, K]; rows
+    [nb * block_m] int32; value, scale: an expert matrix as stored, 3-D [E, K(/8), F].
+    Returns [nb * block_m, F] float32, in the padded row order: a second matmul over the
+    same experts (SwiGLU's down projection) takes it as is (rows = its own row numbers).
     interpret: run in Pallas' interpreter (default: everywhere but on a GPU)."""
     if fmt not in FORMATS:
         raise ValueError(f"expert format must be one of {FORMATS}, not {fmt!r}")
-    n, K = x.shape
-    E, rows_w, F = value.shape
-    auto = tiles(fmt, n / E)
-    block_m = auto["block_m"] if block_m is None else block_m
-    block_k = auto["block_k"] if block_k is None else block_k
-    block_f = auto["block_f"] if block_f is None else block_f
-    num_warps = auto["num_warps"] if num_warps is None else num_warps
+    K = x.shape[1]
+    _, rows_w, F = value.shape
     if rows_w * (8 if fmt == "int4" else 1) != K:
         raise ValueError(f"expert weights {value.shape} ({fmt}) do not match inputs of width {K}")
     bk = tile_k(K, block_k)
@@ -177,21 +173,48 @@ def expert_grouped(x, ids, value, scale=None, fmt: str = "float", *,
     if not supported(fmt, K, F, sshape, bk):
         raise ValueError(f"{fmt} weights {value.shape} do not tile by K tiles of {bk}")
     bm, bf = block_m, min(block_f, bk) if fmt == "fp8" else block_f
-    rows, be = blocks(ids, E, bm)
-    nb, nf = be.shape[0], pl.cdiv(F, bf)
+    nb, nf = block_expert.shape[0], pl.cdiv(F, bf)
     wpg = rows_w // scale.shape[1] if fmt == "int4" else 0
     block = K // scale.shape[1] if fmt == "fp8" else 0
     xin = deinterleave(x) if fmt == "int4" else x
     kernel = functools.partial(_kernel, fmt=fmt, K=K, F=F, bm=bm, bk=bk, bf=bf, wpg=wpg,
                                block=block)  # fmt: skip
-    ins = [be, rows, xin, value] + ([] if fmt == "float" else [scale])
+    ins = [block_expert, rows, xin, value] + ([] if fmt == "float" else [scale])
     y = call(kernel, ins, grid=(nb, nf), out_block=(bm, bf), out_shape=(nb * bm, nf * bf),
              num_warps=num_warps, num_stages=num_stages, interpret=interpret,
              name=f"expert_grouped_{fmt}")  # fmt: skip
-    # padded rows back to assignment order: assignment a sits in the row holding a
+    return y[:, :F]
+
+
+def positions(rows, n: int):
+    """The padded row of each of n assignments (rows [P]: the assignment in each padded row,
+    -1 for padding): [n] int32, to take results back to assignment order."""
     slot = jnp.where(rows >= 0, rows, n)  # padding rows point past the end: dropped
-    row_of = jnp.zeros((n,), jnp.int32).at[slot].set(jnp.arange(nb * bm), mode="drop")
-    return y[row_of, :F]
+    return jnp.zeros((n,), jnp.int32).at[slot].set(jnp.arange(rows.shape[0]), mode="drop")
 
 
-__all__ = ["blocks", "expert_grouped", "supported", "tile_k", "tiles"]
+def expert_grouped(x, ids, value, scale=None, fmt: str = "float", *,
+                   interpret: bool | None = None, block_m: int | None = None,
+                   block_k: int | None = None, block_f: int | None = None,
+                   num_warps: int | None = None, num_stages: int = 3):  # fmt: skip
+    """y[a] = x[a] @ W[ids[a]] (see the module docstring). x [n, K]; ids [n] int32; value,
+    scale: an expert matrix as stored, 3-D [E, K(/8), F]. Returns [n, F] float32.
+    Tile settings left None come from `tiles` (by the mean rows per expert)."""
+    n, E = x.shape[0], value.shape[0]
+    given = dict(block_m=block_m, block_k=block_k, block_f=block_f, num_warps=num_warps)
+    t = tiles(fmt, n / E) | {k: v for k, v in given.items() if v is not None}
+    rows, be = blocks(ids, E, t["block_m"])
+    y = grouped_matmul(x, rows, be, value, scale, fmt, num_stages=num_stages,
+                       interpret=interpret, **t)  # fmt: skip
+    return y[positions(rows, n)]
+
+
+__all__ = [
+    "blocks",
+    "expert_grouped",
+    "grouped_matmul",
+    "positions",
+    "supported",
+    "tile_k",
+    "tiles",
+]
