@@ -172,7 +172,8 @@ grouped-auto)  # two GPUs: the grouped kernel with its tiles chosen by rows per 
     --model moonlight-16b-a3b --assignments 96 1536 6144 24576 --formats float int4 fp8 \
     --variants grouped --iters 10 --out "$OUT/grouped_auto.json") > "$OUT/grouped_auto.log" &
   (export CUDA_VISIBLE_DEVICES=1; quiet timeout 170 python bench/roofline.py \
-    --models moonlight-16b-a3b --batches 1 --tokens 1 --moe-shapes 1x16 256x16 --repeats 3 \
+    --models moonlight-16b-a3b --experts bf16 int4 --batches 1 --tokens 1 \
+    --moe-shapes 1x16 256x16 --repeats 3 \
     --out "$OUT/moe_layer.json") > "$OUT/moe_layer.log" &
   wait
   tail -n 4 "$OUT"/*.log
