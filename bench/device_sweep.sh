@@ -29,8 +29,8 @@
 #            equal steps (bench/ablate_layers.sh)
 #   accept SET (after assemble; carry .traincache/data): `kdj eval-acceptance` of the shipped
 #            drafter on one held-out set (sharegpt | humaneval), every budget, T=0 and T=1
-#   train-2l (after the copies, regen and assemble; carry .traincache/data-turns-all; two
-#            calls back to back, the second resumes): a 2-layer drafter as long as the shipped
+#   train-2l (after the copies, regen and assemble; carry .traincache/data-turns-all; three
+#            calls back to back, each resumes): a 2-layer drafter as long as the shipped
 #            one (configs/train/smollm2-b16-2layer.yaml)
 #   Two-GPU calls (nvidia-h200-x2), one job per GPU, logs in $OUT:
 #   pair-ablate: ablate on GPU 0, accept sharegpt on GPU 1 (carry both .traincache folders)

@@ -470,13 +470,16 @@ def main(argv=None):
     if args.fit_from:
         if not args.fit_cost or len(args.models) != 1 or len(args.experts) != 1:
             p.error("--fit-from needs --fit-cost, one --models and one --experts")
+        # rows of a slice are tagged "name (NL)": fit the config of that many layers
+        tag = args.models[0] + (f" ({args.layers}L)" if args.layers else "")
+        rows = [r for r in json.loads(Path(args.fit_from).read_text())["rows"]
+                if r["model"] == tag and r["experts"] == args.experts[0]]  # fmt: skip
+        if not rows:
+            have = sorted({r["model"] for r in json.loads(Path(args.fit_from).read_text())["rows"]})
+            p.error(f"{args.fit_from} has no rows of {tag} ({args.experts[0]}); it has {have} "
+                    "(pass --layers N for a slice's rows)")  # fmt: skip
         cfg = model_config(args.models[0])
         cfg = cfg.replace(num_layers=args.layers) if args.layers else cfg
-        rows = [r for r in json.loads(Path(args.fit_from).read_text())["rows"]
-                if r["model"].split(" (")[0] == args.models[0]
-                and r["experts"] == args.experts[0]]  # fmt: skip
-        if not rows:
-            p.error(f"{args.fit_from} has no rows of {args.models[0]} ({args.experts[0]})")
         args.argv = argv
         return fit_cost(cfg, rows, args, args.models[0], args.experts[0])
     if len(args.experts) > 2 or len(args.experts) == 2 and args.experts[0] != "bf16":

@@ -142,15 +142,19 @@ class StepCost:
         return model * self.residual(batch, tokens_per_seq) if self.residuals else model
 
     def residual(self, batch: int, tokens_per_seq: int) -> float:
-        """Measured / predicted step time at this many tokens per sequence: the measured
-        ratio at this batch, else interpolated in log2(batch) between the measured batches
-        around it (the nearest one outside them); 1.0 where this T was never measured."""
-        pts = sorted((b, r) for b, t, r in self.residuals if t == tokens_per_seq)
-        if not pts:
+        """Measured / predicted step time: the measured ratio at this batch, else
+        interpolated in log2(batch) between the measured batches around it (the nearest one
+        outside them), for this many tokens per sequence, or for the nearest measured one
+        (in log2) where this T was never measured; 1.0 without residuals."""
+        if batch < 1 or tokens_per_seq < 1:
+            raise ValueError(f"a step of batch {batch} x {tokens_per_seq} tokens has no time")
+        if not self.residuals:
             return 1.0
-        x = np.log2(float(batch))
+        ts = {t for _, t, _ in self.residuals}
+        T = min(ts, key=lambda t: (abs(np.log2(t / tokens_per_seq)), t))
+        pts = sorted((b, r) for b, t, r in self.residuals if t == T)
         xs, rs = np.log2([float(b) for b, _ in pts]), [r for _, r in pts]
-        return float(np.interp(x, xs, rs))
+        return float(np.interp(np.log2(float(batch)), xs, rs))
 
     def measured_at(self, batch: int, tokens_per_seq: int) -> bool:
         """Whether `kdj bench` measured this step (a residual exactly here)."""
@@ -159,6 +163,9 @@ class StepCost:
     def with_residuals(self, rows) -> StepCost:
         """This cost, corrected at the measured target steps rows of (batch, tokens_per_seq,
         context, seconds) (see `residual`)."""
+        steps = [(int(b), int(t)) for b, t, _, _ in rows]
+        if len(set(steps)) != len(steps):
+            raise ValueError("residuals need one measurement per (batch, tokens_per_seq)")
         plain = dataclasses.replace(self, residuals=())
         res = tuple((int(b), int(t), float(s / plain.seconds(b, t, c))) for b, t, c, s in rows)
         return dataclasses.replace(self, residuals=res)
@@ -208,7 +215,8 @@ class StepCost:
         names = ("fixed_s", "per_byte_s", "per_flop_s", "draft_fixed_s", "per_node_s",
                  "per_tree_node_s")  # fmt: skip
         fitted = {n: float(c) for n, c in zip(names, coef)}
-        return dataclasses.replace(self, **fitted)
+        # residuals are ratios to the old coefficients: new ones come from with_residuals
+        return dataclasses.replace(self, residuals=(), **fitted)
 
     def save(self, path) -> Path:
         path = Path(path)

@@ -89,9 +89,9 @@ def test_fit_recovers_known_coefficients(tmp_path):
 
 def test_residuals_make_the_model_exact_at_measured_steps(tmp_path):
     """with_residuals: measured / predicted per measured (batch, T); seconds() is exact there,
-    interpolated in log2(batch) between measured batches, clamped outside them, and the plain
-    model for a T never measured. The residuals survive save / load and keep the cost
-    hashable (it is a static argument of the jitted loop)."""
+    interpolated in log2(batch) between measured batches, clamped outside them, and for a T
+    never measured the nearest measured T's. The residuals survive save / load and keep the
+    cost hashable (it is a static argument of the jitted loop)."""
     base = StepCost.for_config(moonlight())
     c = 512
     rows = [(1, 1, c, 1.2 * float(base.seconds(1, 1, c))),
@@ -103,11 +103,19 @@ def test_residuals_make_the_model_exact_at_measured_steps(tmp_path):
         assert cost.measured_at(b, t)
     assert not cost.measured_at(4, 1) and not cost.measured_at(16, 16)
     assert cost.residual(4, 1) == pytest.approx(1.0)  # halfway from 1.2 to 0.8 in log2(batch)
-    assert cost.residual(256, 1) == pytest.approx(0.8) and cost.residual(1, 17) == 1.1
-    assert cost.residual(4, 65) == 1.0  # T = 65 never measured: the model alone
-    assert float(cost.seconds(4, 65, c)) == float(base.seconds(4, 65, c))
+    assert cost.residual(256, 1) == pytest.approx(0.8)
+    assert cost.residual(1, 17) == pytest.approx(1.1)
+    # T = 65 never measured: the nearest measured T's (17), so a bigger tree is priced on
+    # the same footing as a measured one
+    assert cost.residual(4, 65) == pytest.approx(1.1)
+    assert float(cost.seconds(4, 65, c)) == pytest.approx(1.1 * float(base.seconds(4, 65, c)))
     assert StepCost.load(cost.save(tmp_path / "cost.json")) == cost
     hash(cost)
+    assert cost.fit(rows * 2).residuals == ()  # refitted coefficients: old ratios dropped
+    with pytest.raises(ValueError, match="one measurement per"):
+        base.with_residuals(rows + rows[:1])
+    with pytest.raises(ValueError, match="has no time"):
+        cost.residual(0, 1)
 
 
 def test_the_menu_margin_shrinks_where_both_steps_were_measured():

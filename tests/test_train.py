@@ -403,7 +403,9 @@ def test_training_configs_parse_and_continue_fits_the_shipped_drafter():
     # drafter's shape only in depth
     from pathlib import Path
 
-    for path in sorted(Path("configs/train").glob("*.yaml")):
+    configs = sorted((Path(__file__).resolve().parents[1] / "configs" / "train").glob("*.yaml"))
+    assert len(configs) >= 7
+    for path in configs:
         TrainConfig.from_yaml(path)
     two = TrainConfig.from_yaml("configs/train/smollm2-b16-2layer.yaml")
     assert two.drafter.init_from is None and two.drafter.num_layers == 2

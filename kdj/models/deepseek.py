@@ -187,7 +187,7 @@ def gemv_kernel(w: ExpertWeight) -> bool:
 
 
 def grouped_kernel(w: ExpertWeight) -> bool:
-    """Whether the MoE layer runs the Pallas grouped kernel (`ExpertWeight.grouped`) on w:
+    """Whether the MoE layer runs the Pallas grouped kernel (`expert_swiglu_grouped`) on w:
     on GPU, for the shapes it tiles. Decided at trace time."""
     value, scale = w.matrix()
     K = value.shape[1] * (8 if w.fmt == "int4" else 1)

@@ -11,8 +11,9 @@ owns (row block, tile of bf columns) and walks K in tiles of bk: a [bm, bk] tile
 block's input rows (gathered by row index) times the expert's [bk, bf] weight tile on the
 tensor cores, accumulated in float32. An expert with at most bm rows (a 16-token verify at
 batch 1: ~1.9 rows per touched expert on Moonlight) is read exactly once; at large batch
-the weight tile is reused by all bm rows. Blocks past the last expert's are empty (their
-loop runs zero times). Quantised weights are dequantised tile by tile in registers:
+the weight tile is reused by all bm rows (bm grows with the rows per expert: `tiles`).
+Blocks past the last expert's are empty and skip the K loop. Quantised weights are
+dequantised tile by tile in registers:
   * int4: the bk inputs of a tile are 8 interleaved planes of bk / 8 words (input 8 r + j is
     nibble j of word r); the input rows are passed de-interleaved the same way (xt[8 a + j,
     r] = x[a, 8 r + j]), so the tile is 8 dots of K = bk / 8, one per nibble plane, each
