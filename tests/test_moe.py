@@ -124,15 +124,18 @@ def test_gathered_experts_through_the_kernel_match_the_dense_loop(fmt, monkeypat
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
 
 
-def test_row_blocks_hold_each_assignment_once_under_its_expert():
+@pytest.mark.parametrize("skipped", [0, 9])
+def test_row_blocks_hold_each_assignment_once_under_its_expert(skipped):
     """blocks(): every assignment in exactly one padded row, each block one expert's, padding
-    and unused blocks marked -1."""
+    and unused blocks marked -1; assignments with id -1 (another shard's) in none."""
     rng = np.random.default_rng(0)
     E, bm = 6, 4
-    ids = jnp.asarray(rng.integers(0, E, 23), jnp.int32)
+    ids = rng.integers(0, E, 23)
+    ids[rng.choice(23, skipped, replace=False)] = -1
+    ids = jnp.asarray(ids, jnp.int32)
     rows, be = (np.asarray(a) for a in expert_grouped.blocks(ids, E, bm))
     assert len(be) == -(-23 // bm) + E and len(rows) == len(be) * bm
-    assert sorted(rows[rows >= 0].tolist()) == list(range(23))
+    assert sorted(rows[rows >= 0].tolist()) == np.flatnonzero(np.asarray(ids) >= 0).tolist()
     for b, e in enumerate(be):
         mine = rows[b * bm : (b + 1) * bm]
         if e < 0:
@@ -220,3 +223,29 @@ def test_the_layer_takes_the_grouped_kernel_for_many_tokens(fmt, tokens, monkeyp
     got = np.asarray(deepseek.local_experts(x, w, idx, *q, first=0), np.float32)
     assert len(ran) == 2  # the kernel ran twice: gate/up, then down
     np.testing.assert_allclose(got, want, rtol=0.05, atol=0.05)
+
+
+def test_grouped_experts_skip_other_shards_assignments(monkeypatch):
+    """Under expert parallelism (first > 0, experts held here 2..5 of 8) the grouped path
+    gives other shards' assignments no rows, and the result is the local experts' share."""
+    monkeypatch.setattr(deepseek, "grouped_kernel", lambda w: True)
+    real_rows = []
+    kernel = expert_grouped.grouped_matmul
+    monkeypatch.setattr(expert_grouped, "grouped_matmul", lambda x, rows, *a, **kw: (
+        real_rows.append(int((rows >= 0).sum())) or kernel(x, rows, *a, **kw)))  # fmt: skip
+    rng = np.random.default_rng(9)
+    E, first, E_local, D, I, k, tokens = 8, 2, 4, 128, 128, 2, 12
+    x = jnp.asarray(rng.standard_normal((tokens, D)), jnp.float32)
+    idx = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(tokens)]), jnp.int32)
+    w = jnp.asarray(rng.random((tokens, k)), jnp.float32)
+    wgu = jnp.asarray(rng.standard_normal((E_local, D, 2, I)) * 0.1, jnp.float32)
+    wd = jnp.asarray(rng.standard_normal((E_local, I, D)) * 0.1, jnp.float32)
+    local = np.asarray(idx) - first
+    mine = (local >= 0) & (local < E_local)
+    assert mine.any() and not mine.all()
+    wg, wu = np.asarray(wgu)[:, :, 0], np.asarray(wgu)[:, :, 1]
+    want = dense_reference(np.asarray(x), np.where(mine, np.asarray(w), 0.0),
+                           np.where(mine, local, 0), wg, wu, np.asarray(wd))  # fmt: skip
+    got = np.asarray(deepseek.local_experts(x, w, idx, wgu, wd, first=first))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert real_rows == [int(mine.sum())] * 2  # both matmuls: the local assignments only

@@ -253,7 +253,8 @@ def expert_swiglu_gathered(x, weights, idx, w_gate_up, w_down):
 
 def expert_swiglu_grouped(x, weights, idx, w_gate_up, w_down):
     """Routed expert compute through the Pallas grouped kernel (GPU; interpreted elsewhere).
-    Same contract as `expert_swiglu`.
+    Same contract as `expert_swiglu`, and an id of -1 marks an assignment to skip (another
+    shard's expert).
 
     The assignments are sorted by expert into row blocks once (kdj/pallas/expert_grouped.py);
     gate/up reads each block's token rows straight from x, and the down projection takes the
@@ -271,7 +272,8 @@ def expert_swiglu_grouped(x, weights, idx, w_gate_up, w_down):
     h = (jax.nn.silu(h[:, :I]) * h[:, I:]).astype(x.dtype)  # gate columns first
     same = jnp.where(rows >= 0, jnp.arange(rows.shape[0]), -1)
     y = expert_grouped.grouped_matmul(h, same, be, *wd.matrix(), wd.fmt, **t_d)  # [P, D]
-    y = y[expert_grouped.positions(rows, flat.size)].reshape(N, k, D) * weights[..., None]
+    y = y[expert_grouped.positions(rows, flat.size)].reshape(N, k, D)
+    y = jnp.where((idx >= 0)[..., None], y * weights[..., None], 0.0)  # -1: no row, no term
     return y.sum(1).astype(x.dtype)
 
 
@@ -374,15 +376,14 @@ def local_experts(x, weights, idx, w_gate_up, w_down, first):
     local = idx - first
     mine = (local >= 0) & (local < E_local)
     weights = jnp.where(mine, weights, 0.0)
-    local = jnp.where(mine, local, 0)
     path = "kernel" if gemv_kernel(w_gate_up) and gemv_kernel(w_down) else "xla"
-    if idx.size <= GATHER_MAX_ASSIGNMENTS_PER_EXPERT[path] * E_local:
-        experts = expert_swiglu_gathered
-    elif grouped_kernel(w_gate_up) and grouped_kernel(w_down):
-        experts = expert_swiglu_grouped
-    else:
-        experts = expert_swiglu  # XLA's ragged_dot: CPU, and shapes the kernel cannot tile
-    return experts(x, weights, local, w_gate_up, w_down)
+    few = idx.size <= GATHER_MAX_ASSIGNMENTS_PER_EXPERT[path] * E_local
+    if not few and grouped_kernel(w_gate_up) and grouped_kernel(w_down):
+        # other shards' assignments (-1) get no rows at all
+        return expert_swiglu_grouped(x, weights, jnp.where(mine, local, -1), w_gate_up, w_down)
+    # the other paths take them through local expert 0 at weight 0
+    experts = expert_swiglu_gathered if few else expert_swiglu  # else: XLA's ragged_dot
+    return experts(x, weights, jnp.where(mine, local, 0), w_gate_up, w_down)
 
 
 def sharded_experts(shard, x, weights, idx, w_gate_up, w_down):

@@ -41,20 +41,23 @@ from kdj.pallas.expert_gemv import FORMATS, _nibbles, call, deinterleave
 def blocks(ids, num_experts: int, bm: int):
     """Row blocks of the assignments grouped by expert (static sizes, traced values).
 
-    ids [n] int32. Returns (rows [nb * bm] int32: the assignment in each padded row, -1 for
-    padding; block_expert [nb] int32: each block's expert, -1 for unused blocks), with
-    nb = ceil(n / bm) + min(n, E): each expert with rows adds at most one partial block."""
+    ids [n] int32; an id of -1 marks an assignment computed elsewhere (another shard's
+    expert): it gets no row. Returns (rows [nb * bm] int32: the assignment in each padded
+    row, -1 for padding; block_expert [nb] int32: each block's expert, -1 for unused
+    blocks), with nb = ceil(n / bm) + min(n, E): each expert with rows adds at most one
+    partial block."""
     n = ids.shape[0]
     nb = pl.cdiv(n, bm) + min(n, num_experts)
-    counts = jnp.bincount(ids, length=num_experts)
+    valid = ids >= 0
+    counts = jnp.bincount(jnp.where(valid, ids, 0), valid.astype(jnp.int32), length=num_experts)
     padded = pl.cdiv(counts, bm) * bm
     ends = jnp.cumsum(padded)
-    order = jnp.argsort(ids, stable=True)
-    sorted_ids = ids[order]
+    order = jnp.argsort(jnp.where(valid, ids, num_experts), stable=True)  # skipped ones last
+    sorted_ids = jnp.minimum(ids[order], num_experts - 1)
     first_of_expert = jnp.cumsum(counts) - counts
     rank = jnp.arange(n) - first_of_expert[sorted_ids]  # row within its expert
-    dest = (ends - padded)[sorted_ids] + rank
-    rows = jnp.full((nb * bm,), -1, jnp.int32).at[dest].set(order.astype(jnp.int32))
+    dest = jnp.where(valid[order], (ends - padded)[sorted_ids] + rank, nb * bm)
+    rows = jnp.full((nb * bm,), -1, jnp.int32).at[dest].set(order.astype(jnp.int32), mode="drop")
     start = jnp.arange(nb) * bm
     expert = jnp.searchsorted(ends, start, side="right").astype(jnp.int32)
     return rows, jnp.where(start < ends[-1], expert, -1)
