@@ -11,7 +11,7 @@
 #   gemv:    the Pallas gathered expert GEMV against XLA, bf16/INT4/FP8, with a tile sweep, and
 #            the Moonlight-shape decode loop profiled with it (no GGUF needed)
 #   grouped: the Pallas grouped expert kernel against ragged_dot, 16-token verify at batch 1
-#            up to batch 256 x 16 tokens, bf16/INT4/FP8 (no GGUF needed; not yet run)
+#            up to batch 256 x 16 tokens, bf16/INT4/FP8 (no GGUF needed)
 #   gemv-slice: the 4-layer Moonlight and 3-layer Kimi-K2 slices, bf16 vs INT4 experts, at
 #            batch 1 (bench/roofline.py; the INT4 acceptance row)
 #   skip:    profiles of the auto loop's plain steps against AR (bench/profile_step.py)
