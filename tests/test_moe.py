@@ -167,7 +167,9 @@ def test_grouped_kernel_matches_the_dequantised_weights(fmt, n):
 
 
 @pytest.mark.parametrize("fmt", ["float", "int4", "fp8"])
-@pytest.mark.parametrize("kernel, n", [("gemv", 24), ("grouped", 24), ("grouped", 300)])
+@pytest.mark.parametrize(
+    "kernel, n", [("gemv", 24), ("grouped", 24), ("grouped", 300), ("grouped-swiglu", 300)]
+)
 def test_expert_kernels_lower_to_triton_modules_that_verify(kernel, n, fmt, monkeypatch):
     """Lowered for CUDA on this CPU, each Triton module passes MLIR's verifier: what XLA
     checks first on a GPU. Interpreted runs cannot catch this (on the H200 the grouped
@@ -185,14 +187,41 @@ def test_expert_kernels_lower_to_triton_modules_that_verify(kernel, n, fmt, monk
 
     lower_to_triton = lowering.lower_jaxpr_to_triton_module
     monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
-    E, K, F = 4, 256, 128  # n = 300: 75 rows per expert, the grouped kernel's big tiles
+    # n = 300: 75 rows per expert, the grouped kernel's big tiles; SwiGLU: gate | up of 128
+    E, K, F = 4, 256, 256 if kernel == "grouped-swiglu" else 128
     w = jnp.zeros((E, K, F), jnp.bfloat16)
     value, scale = quant_fp8_stacked(w, block=128) if fmt == "fp8" else quantised(w, fmt)
     x, ids = jnp.zeros((n, K), jnp.bfloat16), jnp.zeros((n,), jnp.int32)
-    fn = {"gemv": expert_gemv.expert_gemv, "grouped": expert_grouped.expert_grouped}[kernel]
+
+    def swiglu(x, ids, v, s, fmt, interpret):
+        t = expert_grouped.tiles(fmt, n / E)
+        rows, be = expert_grouped.blocks(ids, E, t["block_m"])
+        return expert_grouped.grouped_matmul(x, rows, be, v, s, fmt, swiglu=True,
+                                             interpret=interpret, **t)  # fmt: skip
+
+    fn = {"gemv": expert_gemv.expert_gemv, "grouped": expert_grouped.expert_grouped,
+          "grouped-swiglu": swiglu}[kernel]  # fmt: skip
     run = jax.jit(lambda x, ids, v, s: fn(x, ids, v, s, fmt, interpret=False))
     run.trace(x, ids, value, scale).lower(lowering_platforms=("cuda",))
     assert verified
+
+
+def swiglu_case(fmt, tokens, seed=5):
+    """(x, weights, idx, [gate/up, down] ExpertWeights in fmt, the dense float32 result) for
+    E=4 experts of D=I=128, k=2 (FP8 in whole 128 x 128 blocks)."""
+    rng = np.random.default_rng(seed)
+    E, D, I, k = 4, 128, 128, 2
+    x = jnp.asarray(rng.standard_normal((tokens, D)), jnp.bfloat16)
+    idx = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(tokens)]), jnp.int32)
+    w = jnp.asarray(rng.random((tokens, k)), jnp.float32)
+    wgu = jnp.asarray(rng.standard_normal((E, D, 2, I)) * 0.1, jnp.bfloat16)
+    wd = jnp.asarray(rng.standard_normal((E, I, D)) * 0.1, jnp.bfloat16)
+    quant = functools.partial(quant_fp8_stacked, block=128) if fmt == "fp8" else None
+    q = [ExpertWeight(*(quant(a) if quant else quantised(a, fmt)), fmt) for a in (wgu, wd)]
+    dense = [np.asarray(a.dense(jnp.float32)) for a in q]
+    wg, wu = dense[0][:, :, 0], dense[0][:, :, 1]
+    xf, wf, idf = np.asarray(x, np.float32), np.asarray(w), np.asarray(idx)
+    return x, w, idx, q, dense_reference(xf, wf, idf, wg, wu, dense[1])
 
 
 @pytest.mark.parametrize("fmt", ["float", "int4", "fp8"])
@@ -207,22 +236,22 @@ def test_the_layer_takes_the_grouped_kernel_for_many_tokens(fmt, tokens, monkeyp
     monkeypatch.setattr(
         expert_grouped, "grouped_matmul", lambda *a, **k: ran.append(1) or kernel(*a, **k)
     )
-    rng = np.random.default_rng(5)
-    E, D, I, k = 4, 128, 128, 2  # 12 or 300 assignments > 0.25 per expert: grouped GEMMs
-    x = jnp.asarray(rng.standard_normal((tokens, D)), jnp.bfloat16)
-    idx = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(tokens)]), jnp.int32)
-    w = jnp.asarray(rng.random((tokens, k)), jnp.float32)
-    wgu = jnp.asarray(rng.standard_normal((E, D, 2, I)) * 0.1, jnp.bfloat16)
-    wd = jnp.asarray(rng.standard_normal((E, I, D)) * 0.1, jnp.bfloat16)
-    quant = functools.partial(quant_fp8_stacked, block=128) if fmt == "fp8" else None
-    q = [ExpertWeight(*(quant(a) if quant else quantised(a, fmt)), fmt) for a in (wgu, wd)]
-    dense = [np.asarray(a.dense(jnp.float32)) for a in q]
-    wg, wu = dense[0][:, :, 0], dense[0][:, :, 1]
-    xf, wf, idf = np.asarray(x, np.float32), np.asarray(w), np.asarray(idx)
-    want = dense_reference(xf, wf, idf, wg, wu, dense[1])
+    x, w, idx, q, want = swiglu_case(fmt, tokens)  # 12 or 300 assignments: grouped GEMMs
     got = np.asarray(deepseek.local_experts(x, w, idx, *q, first=0), np.float32)
     assert len(ran) == 2  # the kernel ran twice: gate/up, then down
     np.testing.assert_allclose(got, want, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("fmt", ["float", "int4", "fp8"])
+@pytest.mark.parametrize("tokens", [6, 150])
+def test_fused_swiglu_epilogue_matches_the_dense_experts(fmt, tokens):
+    """The candidate with SwiGLU in the gate/up kernel's epilogue (activations written in
+    x's dtype) computes the same experts, and what the unfused form computes."""
+    x, w, idx, q, want = swiglu_case(fmt, tokens)
+    fused = np.asarray(deepseek.expert_swiglu_grouped(x, w, idx, *q, fused=True), np.float32)
+    plain = np.asarray(deepseek.expert_swiglu_grouped(x, w, idx, *q), np.float32)
+    np.testing.assert_allclose(fused, want, rtol=0.05, atol=0.05)
+    np.testing.assert_allclose(fused, plain, rtol=0.02, atol=0.02)
 
 
 def test_grouped_experts_skip_other_shards_assignments(monkeypatch):

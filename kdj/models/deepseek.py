@@ -251,7 +251,7 @@ def expert_swiglu_gathered(x, weights, idx, w_gate_up, w_down):
     return y.sum(1).astype(x.dtype)
 
 
-def expert_swiglu_grouped(x, weights, idx, w_gate_up, w_down):
+def expert_swiglu_grouped(x, weights, idx, w_gate_up, w_down, fused: bool = False):
     """Routed expert compute through the Pallas grouped kernel (GPU; interpreted elsewhere).
     Same contract as `expert_swiglu`, and an id of -1 marks an assignment to skip (another
     shard's expert).
@@ -259,7 +259,11 @@ def expert_swiglu_grouped(x, weights, idx, w_gate_up, w_down):
     The assignments are sorted by expert into row blocks once (kdj/pallas/expert_grouped.py);
     gate/up reads each block's token rows straight from x, and the down projection takes the
     SwiGLU activations in that same padded order, so nothing is repeated or permuted between
-    the two matmuls. Each touched expert is read once per block of its rows."""
+    the two matmuls. Each touched expert is read once per block of its rows.
+
+    fused: SwiGLU in the gate/up kernel's epilogue, activations written once in x's dtype
+    instead of float32 gate and up columns. A candidate measured by bench/expert_gather.py
+    (variant "grouped-fused"); the layer runs the unfused form until it wins there."""
     wgu, wd = ExpertWeight.of(w_gate_up), ExpertWeight.of(w_down)
     N, k = idx.shape
     E, I, D = wgu.num_experts, wd.value.shape[1] * (8 if wd.fmt == "int4" else 1), x.shape[1]
@@ -268,8 +272,12 @@ def expert_swiglu_grouped(x, weights, idx, w_gate_up, w_down):
     t_d = expert_grouped.tiles(wd.fmt, flat.size / E) | {"block_m": t_gu["block_m"]}
     rows, be = expert_grouped.blocks(flat, E, t_gu["block_m"])  # assignment per padded row
     token = jnp.where(rows >= 0, rows // k, -1)
-    h = expert_grouped.grouped_matmul(x, token, be, *wgu.matrix(), wgu.fmt, **t_gu)  # [P, 2I]
-    h = (jax.nn.silu(h[:, :I]) * h[:, I:]).astype(x.dtype)  # gate columns first
+    gu = (x, token, be, *wgu.matrix(), wgu.fmt)
+    if fused:
+        h = expert_grouped.grouped_matmul(*gu, swiglu=True, **t_gu)  # [P, I], x's dtype
+    else:
+        h = expert_grouped.grouped_matmul(*gu, **t_gu)  # [P, 2I] float32, gate columns first
+        h = (jax.nn.silu(h[:, :I]) * h[:, I:]).astype(x.dtype)
     same = jnp.where(rows >= 0, jnp.arange(rows.shape[0]), -1)
     y = expert_grouped.grouped_matmul(h, same, be, *wd.matrix(), wd.fmt, **t_d)  # [P, D]
     y = y[expert_grouped.positions(rows, flat.size)].reshape(N, k, D)

@@ -94,9 +94,10 @@ def deinterleave(x):
     return x.reshape(n, K // 8, 8).transpose(0, 2, 1).reshape(n * 8, K // 8)
 
 
-def call(kernel, ins, *, grid, out_block, out_shape, num_warps, num_stages, interpret, name):
+def call(kernel, ins, *, grid, out_block, out_shape, num_warps, num_stages, interpret, name,
+         dtype=jnp.float32):  # fmt: skip
     """The Triton-flavoured pallas_call of the expert kernels: every input whole (the kernel
-    indexes it), one output block per program, float32 out; interpret=None: interpreted
+    indexes it), one output block per program, `dtype` out; interpret=None: interpreted
     everywhere but on a GPU."""
     full = [pl.BlockSpec(a.shape, lambda i, j, d=a.ndim: (0,) * d) for a in ins]
     with warnings.catch_warnings():
@@ -107,7 +108,7 @@ def call(kernel, ins, *, grid, out_block, out_shape, num_warps, num_stages, inte
             grid=grid,
             in_specs=full,
             out_specs=pl.BlockSpec(out_block, lambda i, j: (i, j)),
-            out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+            out_shape=jax.ShapeDtypeStruct(out_shape, dtype),
             compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
             interpret=jax.default_backend() != "gpu" if interpret is None else interpret,
             name=name,

@@ -63,55 +63,66 @@ def blocks(ids, num_experts: int, bm: int):
     return rows, jnp.where(start < ends[-1], expert, -1)
 
 
-def _kernel(be_ref, rows_ref, x_ref, w_ref, *rest, fmt, K, F, bm, bk, bf, wpg, block):
-    """One (row block, column tile) program; see the module docstring. K: inputs."""
+def _kernel(be_ref, rows_ref, x_ref, w_ref, *rest, fmt, K, F, bm, bk, bf, wpg, block, half):
+    """One (row block, column tile) program; see the module docstring. K: inputs. half > 0:
+    SwiGLU fused, the tile's gate columns j bf.. and up columns half + j bf.. of the same
+    input rows, written as silu(gate) * up."""
     s_ref, o_ref = (None, rest[0]) if fmt == "float" else rest
     b, j = pl.program_id(0), pl.program_id(1)
     e = be_ref[b]
     rows = rows_ref[pl.ds(b * bm, bm)]
     row_ok = (rows >= 0)[:, None]
     r = jnp.maximum(rows, 0)
-    f0 = j * bf
-    cols = f0 + jnp.arange(bf)
-    col_ok = (cols < F)[None, :] if F % bf else None
+    width = half or F  # columns of one part (gate, up, or the whole matrix)
+    col_ok = ((j * bf + jnp.arange(bf)) < width)[None, :] if width % bf else None
+    f0s = (j * bf, half + j * bf) if half else (j * bf,)  # first column of each part's tile
     ee = jnp.maximum(e, 0)
 
-    def w_tile(k0, n_rows):
-        return w_ref.at[ee, pl.ds(k0, n_rows), pl.ds(f0, bf)]
-
-    def load_w(k0, n_rows):
-        ref = w_tile(k0, n_rows)
+    def load_w(f0, k0, n_rows):
+        ref = w_ref.at[ee, pl.ds(k0, n_rows), pl.ds(f0, bf)]
         return plgpu.load(ref, mask=col_ok, other=0) if col_ok is not None else plgpu.load(ref)
 
-    def body(t, acc):
+    def body(t, accs):
+        accs = list(accs)
         if fmt == "int4":
             kw = bk // 8  # words per tile
-            w = load_w(t * kw, kw).astype(jnp.int32)  # [kw, bf]
             G = kw // wpg
-            scale = s_ref[ee, t * G + jnp.arange(G)[:, None], jnp.minimum(cols, F - 1)[None, :]]
-            scale = jnp.broadcast_to(scale.astype(jnp.float32)[:, None, :], (G, wpg, bf))
-            scale = scale.reshape(kw, bf)
             words = t * kw + jnp.arange(kw)
+            ws, scales = [], []
+            for f0 in f0s:
+                ws.append(load_w(f0, t * kw, kw).astype(jnp.int32))  # [kw, bf]
+                cols = jnp.minimum(f0 + jnp.arange(bf), F - 1)
+                scale = s_ref[ee, t * G + jnp.arange(G)[:, None], cols[None, :]]
+                scale = jnp.broadcast_to(scale.astype(jnp.float32)[:, None, :], (G, wpg, bf))
+                scales.append(scale.reshape(kw, bf))
             for n in range(8):  # nibble plane n: inputs 8 r + n of the tile's words r
                 xn = x_ref[(r * 8 + n)[:, None], words[None, :]]  # [bm, kw]
                 xn = jnp.where(row_ok, xn, 0).astype(jnp.bfloat16)
-                u = _nibbles(w, n) * scale
-                acc += plgpu.dot(xn, u.astype(jnp.bfloat16)).astype(jnp.float32)
-            return acc
+                for i, (w, scale) in enumerate(zip(ws, scales)):
+                    u = (_nibbles(w, n) * scale).astype(jnp.bfloat16)
+                    accs[i] += plgpu.dot(xn, u).astype(jnp.float32)
+            return tuple(accs)
         ks = t * bk + jnp.arange(bk)
-        xt = jnp.where(row_ok, x_ref[r[:, None], ks[None, :]], 0)  # [bm, bk]
-        w = load_w(t * bk, bk).astype(jnp.float32)
-        if fmt == "fp8":
-            w = w * s_ref[ee, (t * bk) // block, f0 // block].astype(jnp.float32)
+        xt = jnp.where(row_ok, x_ref[r[:, None], ks[None, :]], 0)  # [bm, bk], shared by parts
         dt = x_ref.dtype  # bf16 on the tensor cores; float32 (tests) at full precision
         prec = lax.Precision.HIGHEST if dt == jnp.float32 else None
-        return acc + plgpu.dot(xt, w.astype(dt), precision=prec).astype(jnp.float32)
+        for i, f0 in enumerate(f0s):
+            w = load_w(f0, t * bk, bk).astype(jnp.float32)
+            if fmt == "fp8":
+                w = w * s_ref[ee, (t * bk) // block, f0 // block].astype(jnp.float32)
+            accs[i] += plgpu.dot(xt, w.astype(dt), precision=prec).astype(jnp.float32)
+        return tuple(accs)
 
     # Empty blocks do no work. The trip count stays static (K // bk) and the loop sits under a
     # branch: a traced trip count lowers to an scf.for whose bounds Triton rejects (i32 vs
     # index; it failed this way on the H200, and the lowering test now checks it).
-    zero = jnp.zeros((bm, bf), jnp.float32)
-    o_ref[...] = lax.cond(e >= 0, lambda: lax.fori_loop(0, K // bk, body, zero), lambda: zero)
+    zero = tuple(jnp.zeros((bm, bf), jnp.float32) for _ in f0s)
+    accs = lax.cond(e >= 0, lambda: lax.fori_loop(0, K // bk, body, zero), lambda: zero)
+    if half:
+        gate, up = accs
+        o_ref[...] = (gate / (1.0 + jnp.exp(-gate)) * up).astype(o_ref.dtype)
+    else:
+        o_ref[...] = accs[0]
 
 
 def tile_k(K: int, block_k: int = 128) -> int:
@@ -159,12 +170,15 @@ def tiles(fmt: str, rows_per_expert: float) -> dict:
 
 def grouped_matmul(x, rows, block_expert, value, scale=None, fmt: str = "float", *,
                    block_m: int, block_k: int, block_f: int, num_warps: int,
-                   num_stages: int = 3, interpret: bool | None = None):  # fmt: skip
+                   num_stages: int = 3, swiglu: bool = False,
+                   interpret: bool | None = None):  # fmt: skip
     """The kernel on rows already laid out in blocks (`blocks`): padded row p is
     x[rows[p]] @ W[block_expert[p // block_m]] (0 where rows[p] = -1). x [m, K]; rows
     [nb * block_m] int32; value, scale: an expert matrix as stored, 3-D [E, K(/8), F].
     Returns [nb * block_m, F] float32, in the padded row order: a second matmul over the
     same experts (SwiGLU's down projection) takes it as is (rows = its own row numbers).
+    swiglu: W is gate/up [gate | up] (F = 2I); returns silu(gate) * up [nb * block_m, I] in
+    x's dtype, computed in the epilogue (no float32 [.., 2I] round trip through memory).
     interpret: run in Pallas' interpreter (default: everywhere but on a GPU)."""
     if fmt not in FORMATS:
         raise ValueError(f"expert format must be one of {FORMATS}, not {fmt!r}")
@@ -177,17 +191,22 @@ def grouped_matmul(x, rows, block_expert, value, scale=None, fmt: str = "float",
     if not supported(fmt, K, F, sshape, bk):
         raise ValueError(f"{fmt} weights {value.shape} do not tile by K tiles of {bk}")
     bm, bf = block_m, min(block_f, bk) if fmt == "fp8" else block_f
-    nb, nf = block_expert.shape[0], pl.cdiv(F, bf)
     wpg = rows_w // scale.shape[1] if fmt == "int4" else 0
     block = K // scale.shape[1] if fmt == "fp8" else 0
+    half = F // 2 if swiglu else 0
+    if swiglu and (F % 2 or (fmt == "fp8" and half % block)):
+        raise ValueError(f"{fmt} gate/up of {F} columns does not split into gate | up halves")
+    width = half or F
+    nb, nf = block_expert.shape[0], pl.cdiv(width, bf)
     xin = deinterleave(x) if fmt == "int4" else x
     kernel = functools.partial(_kernel, fmt=fmt, K=K, F=F, bm=bm, bk=bk, bf=bf, wpg=wpg,
-                               block=block)  # fmt: skip
+                               block=block, half=half)  # fmt: skip
     ins = [block_expert, rows, xin, value] + ([] if fmt == "float" else [scale])
     y = call(kernel, ins, grid=(nb, nf), out_block=(bm, bf), out_shape=(nb * bm, nf * bf),
              num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-             name=f"expert_grouped_{fmt}")  # fmt: skip
-    return y[:, :F]
+             name=f"expert_grouped_{fmt}" + ("_swiglu" if swiglu else ""),
+             dtype=x.dtype if swiglu else jnp.float32)  # fmt: skip
+    return y[:, :width]
 
 
 def positions(rows, n: int):
