@@ -167,28 +167,22 @@ def case(experts, fmt: str, A: int, k: int, keys, args):
         fn = VARIANTS[name]
         yield timed(name, nbytes, lambda x, i, w, gu, d, fn=fn: fn(x, w, (idx + i) % E, gu, d),
                     weights, *experts, check=fn)  # fmt: skip
-    # the kernel alone on gate/up [E, D, 2I], per tile setting: bytes are gate/up's share
-    value = wgu.value.reshape(E, wgu.value.shape[1], -1)
-    scale = None if wgu.scale is None else wgu.scale.reshape(E, wgu.scale.shape[1], -1)
+    # each kernel alone on gate/up [E, D, 2I], per tile setting: bytes are gate/up's share
+    value, scale = wgu.matrix()
     xs, flat = jnp.repeat(x, k, axis=0), idx.reshape(-1)
-    for tiles in args.tiles:
-        bk, bf, nw, ns = (int(t) for t in tiles.split(","))
-        opts = dict(block_k=bk, block_f=bf, num_warps=nw, num_stages=ns)
+    sweeps = [("gemv", expert_gemv.expert_gemv, ("block_k", "block_f"), args.tiles),
+              ("grouped", expert_grouped.expert_grouped, ("block_m", "block_k", "block_f"),
+               args.grouped_tiles)]  # fmt: skip
+    for name, kernel, blocks, settings in sweeps:
+        for tiles in settings:
+            opts = dict(zip((*blocks, "num_warps", "num_stages"), map(int, tiles.split(","))))
 
-        def gemv(x, i, v, s, opts=opts):
-            y = expert_gemv.expert_gemv(xs, (flat + i) % E, v, s, fmt, **opts)
-            return y[::k].mean(axis=1, keepdims=True)  # [N, 1]: broadcasts to x
+            def alone(x, i, v, s, kernel=kernel, opts=opts):
+                y = kernel(xs, (flat + i) % E, v, s, fmt, **opts)
+                return y[::k].mean(axis=1, keepdims=True)  # [N, 1]: broadcasts to x
 
-        yield timed(f"gemv_gate_up[{tiles}]", stored_bytes(wgu, touched), gemv, value, scale)
-    for tiles in args.grouped_tiles:
-        bm, bk, bf, nw, ns = (int(t) for t in tiles.split(","))
-        opts = dict(block_m=bm, block_k=bk, block_f=bf, num_warps=nw, num_stages=ns)
-
-        def grouped(x, i, v, s, opts=opts):
-            y = expert_grouped.expert_grouped(xs, (flat + i) % E, v, s, fmt, **opts)
-            return y[::k].mean(axis=1, keepdims=True)  # [N, 1]: broadcasts to x
-
-        yield timed(f"grouped_gate_up[{tiles}]", stored_bytes(wgu, touched), grouped, value, scale)
+            yield timed(f"{name}_gate_up[{tiles}]", stored_bytes(wgu, touched), alone,
+                        value, scale)  # fmt: skip
 
 
 def wd_width(experts) -> int:

@@ -338,6 +338,11 @@ def plot(result: dict, path: Path) -> bool:
 
 
 # ------------------------------------------------------------------------------ main
+def model_tag(name: str, layers: int | None) -> str:
+    """The "model" of a run's rows: the name, and "(NL)" for a slice of N layers."""
+    return name + (f" ({layers}L)" if layers else "")
+
+
 def fit_cost(cfg, rows, args, name, fmt) -> None:
     """Fit kdj.cost.StepCost (fixed, per byte, per FLOP) to this model's measured steps, keep
     the measured / predicted ratio of each (`StepCost.with_residuals`), and save it where
@@ -384,7 +389,7 @@ def run(args) -> dict:
         for fmt in formats:
             if fmt != "bf16":
                 quantize_experts(model, fmt)  # in place, on the same random weights
-            tag = {"model": name + (f" ({cfg.num_layers}L)" if args.layers else ""),
+            tag = {"model": model_tag(name, cfg.num_layers if args.layers else None),
                    "weights": weights, "experts": fmt}  # fmt: skip
             for B in args.batches:
                 for T in args.tokens:
@@ -471,11 +476,11 @@ def main(argv=None):
         if not args.fit_cost or len(args.models) != 1 or len(args.experts) != 1:
             p.error("--fit-from needs --fit-cost, one --models and one --experts")
         # rows of a slice are tagged "name (NL)": fit the config of that many layers
-        tag = args.models[0] + (f" ({args.layers}L)" if args.layers else "")
-        rows = [r for r in json.loads(Path(args.fit_from).read_text())["rows"]
-                if r["model"] == tag and r["experts"] == args.experts[0]]  # fmt: skip
+        tag = model_tag(args.models[0], args.layers)
+        saved = json.loads(Path(args.fit_from).read_text())["rows"]
+        rows = [r for r in saved if r["model"] == tag and r["experts"] == args.experts[0]]
         if not rows:
-            have = sorted({r["model"] for r in json.loads(Path(args.fit_from).read_text())["rows"]})
+            have = sorted({r["model"] for r in saved})
             p.error(f"{args.fit_from} has no rows of {tag} ({args.experts[0]}); it has {have} "
                     "(pass --layers N for a slice's rows)")  # fmt: skip
         cfg = model_config(args.models[0])

@@ -170,6 +170,13 @@ class ExpertWeight:
         value = self.value.reshape(*self.value.shape[:2], -1)
         return value, None if self.scale is None else self.scale.reshape(*self.scale.shape[:2], -1)
 
+    def layout(self):
+        """(fmt, inputs K, outputs F, scale shape or None) of `matrix()`: what the Pallas
+        kernels' `supported` checks (INT4 packs 8 inputs per stored row)."""
+        value, scale = self.matrix()
+        K = value.shape[1] * (8 if self.fmt == "int4" else 1)
+        return self.fmt, K, value.shape[2], None if scale is None else scale.shape
+
     def dense(self, dtype):
         """All experts, dequantised: [E, in, *out] (float weights are returned as they are)."""
         if self.fmt == "float":
@@ -180,21 +187,13 @@ class ExpertWeight:
 def gemv_kernel(w: ExpertWeight) -> bool:
     """Whether `ExpertWeight.matvec` runs the Pallas kernel: on GPU, for the shapes it takes.
     Decided at trace time."""
-    value, scale = w.matrix()
-    K = value.shape[1] * (8 if w.fmt == "int4" else 1)
-    shape = None if scale is None else scale.shape
-    return jax.default_backend() == "gpu" and expert_gemv.supported(w.fmt, K, value.shape[2], shape)
+    return jax.default_backend() == "gpu" and expert_gemv.supported(*w.layout())
 
 
 def grouped_kernel(w: ExpertWeight) -> bool:
     """Whether the MoE layer runs the Pallas grouped kernel (`expert_swiglu_grouped`) on w:
     on GPU, for the shapes it tiles. Decided at trace time."""
-    value, scale = w.matrix()
-    K = value.shape[1] * (8 if w.fmt == "int4" else 1)
-    shape = None if scale is None else scale.shape
-    return jax.default_backend() == "gpu" and expert_grouped.supported(
-        w.fmt, K, value.shape[2], shape
-    )
+    return jax.default_backend() == "gpu" and expert_grouped.supported(*w.layout())
 
 
 def touched_experts(flat, size: int):
@@ -266,7 +265,7 @@ def expert_swiglu_grouped(x, weights, idx, w_gate_up, w_down, fused: bool = Fals
     (variant "grouped-fused"); the layer runs the unfused form until it wins there."""
     wgu, wd = ExpertWeight.of(w_gate_up), ExpertWeight.of(w_down)
     N, k = idx.shape
-    E, I, D = wgu.num_experts, wd.value.shape[1] * (8 if wd.fmt == "int4" else 1), x.shape[1]
+    E, I, D = wgu.num_experts, wd.layout()[1], x.shape[1]
     flat = idx.reshape(-1)
     t_gu = expert_grouped.tiles(wgu.fmt, flat.size / E)
     t_d = expert_grouped.tiles(wd.fmt, flat.size / E) | {"block_m": t_gu["block_m"]}
