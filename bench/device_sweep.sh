@@ -37,6 +37,12 @@
 #   Two-GPU calls (nvidia-h200-x2), one job per GPU, logs in $OUT:
 #   pair-ablate: ablate on GPU 0, accept sharegpt on GPU 1 (carry both .traincache folders)
 #   pair-auto:   stage 3 then grouped on GPU 0, accept humaneval on GPU 1
+#   pair-train-a (after the copies and prep; carry .traincache/data-turns-all): train-2l on
+#                GPU 0; on GPU 1 the fused SwiGLU epilogue against the layer's form, the
+#                grouped tiles at the 16-token verify, and the Kimi-K2 GEMV bf16 vs INT4
+#   pair-train-b (right after pair-train-a): train-2l resumed on GPU 0; on GPU 1 the Kimi-K2
+#                GEMV and slice, bf16 vs INT4, the MoE layer alone and Moonlight full depth
+#   prep    (carry .traincache/regen-all-turns, after the four copies): regen + assemble
 #   pair-grouped (no GGUF): grouped on GPU 0; on GPU 1 the Moonlight-shape steps with the
 #                grouped kernel in the layer, and the step cost fitted to them
 set -euo pipefail
@@ -181,6 +187,44 @@ grouped-auto)  # two GPUs: the grouped kernel with its tiles chosen by rows per 
     --moe-shapes 1x16 256x16 --repeats 3 \
     --out "$OUT/moe_layer.json") > "$OUT/moe_layer.log" &
   wait
+  tail -n 4 "$OUT"/*.log
+  ;;
+prep)  # after the four copies: run 3's regenerated data into $HOME/regen, the GGUF in place
+  bash "$0" regen && bash "$0" assemble
+  ;;
+pair-train-a)
+  CUDA_VISIBLE_DEVICES=0 bash "$0" train-2l > "$OUT/train.log" 2>&1 &
+  (export CUDA_VISIBLE_DEVICES=1; G=$OUT/gpu1; mkdir -p "$G"
+   quiet timeout 200 python bench/expert_gather.py --model moonlight-16b-a3b --assignments 96 \
+     1536 24576 --formats float int4 fp8 --variants grouped grouped-fused --iters 10 \
+     --out "$G/grouped_fused.json"
+   quiet timeout 130 python bench/expert_gather.py --model moonlight-16b-a3b --assignments 96 \
+     --formats float --variants grouped --iters 20 --grouped-tiles 16,128,64,4,3 \
+     16,64,128,4,3 16,128,32,4,3 16,256,32,4,3 16,64,64,4,4 16,128,128,8,3 \
+     --out "$G/verify_tiles.json"
+   quiet timeout 150 python bench/expert_gather.py --model kimi-k2-slice --assignments 8 64 \
+     --formats float int4 --variants kernel --iters 30 --out "$G/kimi_gemv.json"
+  ) > "$OUT/gpu1.log" 2>&1 &
+  wait
+  tar -czf "$OUT/gpu1.tar.gz" -C "$OUT" gpu1 && rm -r "$OUT/gpu1"
+  tail -n 4 "$OUT"/*.log
+  ;;
+pair-train-b)
+  CUDA_VISIBLE_DEVICES=0 bash "$0" train-2l > "$OUT/train.log" 2>&1 &
+  (export CUDA_VISIBLE_DEVICES=1; G=$OUT/gpu1; mkdir -p "$G"
+   quiet timeout 120 python bench/expert_gather.py --model kimi-k2-slice --assignments 8 64 \
+     --formats float int4 --variants kernel --iters 30 --out "$G/kimi_gemv.json"
+   quiet timeout 120 python bench/expert_gather.py --model moonlight-16b-a3b --assignments 6 \
+     48 96 --formats float int4 --variants kernel grouped grouped-fused --iters 20 \
+     --out "$G/moonlight_small.json"
+   quiet timeout 100 python bench/roofline.py --models kimi-k2-slice --experts bf16 int4 \
+     --batches 1 --tokens 1 8 --moe-shapes 1x1 1x8 --repeats 5 --out "$G/roofline_kimi-slice.json"
+   quiet timeout 180 python bench/roofline.py --models moonlight-16b-a3b --batches 1 16 \
+     --tokens 1 17 --max-tokens 4400 --repeats 3 --moe-shapes 1x16 256x16 \
+     --out "$G/roofline_moonlight.json"
+  ) > "$OUT/gpu1.log" 2>&1 &
+  wait
+  tar -czf "$OUT/gpu1.tar.gz" -C "$OUT" gpu1 && rm -r "$OUT/gpu1"
   tail -n 4 "$OUT"/*.log
   ;;
 train-2l)
