@@ -75,6 +75,18 @@ def _kernel(ids_ref, x_ref, w_ref, *rest, fmt, K, F, bk, bf, block):
     o_ref[...] = acc.sum(axis=0)
 
 
+# 2**23 + u as float32 has u in its low mantissa bits: OR-ing a nibble into this exponent and
+# subtracting 2**23 + 8 gives u - 8 exactly, two full-rate ops where an int-to-float convert
+# runs at 1/8 of the FMA rate on Hopper.
+_MAGIC, _MAGIC_BIAS = 0x4B000000, float(2**23 + 8)
+
+
+def _nibbles(w, n: int):
+    """Nibble n of int32 words w as float32 values u - 8 (the stored +8 offset removed)."""
+    bits = ((w >> (4 * n)) & 0xF) | _MAGIC
+    return lax.bitcast_convert_type(bits, jnp.float32) - _MAGIC_BIAS
+
+
 def deinterleave(x):
     """x [n, K] -> [8 n, K / 8] with row 8 i + j = x[i, 8 r + j] over words r: the input
     planes that meet nibble j of every INT4 word."""
@@ -103,12 +115,12 @@ def call(kernel, ins, *, grid, out_block, out_shape, num_warps, num_stages, inte
         )(*ins)
 
 
-# The INT4 nibble decode (this kernel's and expert_grouped's): nibble m of a 16-bit half,
-# masked in place and OR-ed into the bits of 1.0, is the float 1 + u * 2**(4 m - 23), and
+# The GEMV's nibble decode (the grouped kernel's dot takes _nibbles): nibble m of a 16-bit
+# half, masked in place and OR-ed into the bits of 1.0, is the float 1 + u * 2**(4 m - 23), and
 # minus 1 it is u * 2**(4 m - 23) exactly. The input plane that meets it comes pre-scaled by
 # 2**(23 - 4 m) (a power of two: exact), so a weight costs one logic op (the AND and OR fuse
-# into one LOP3), one add and one FMA. Shifting each nibble down first cost one more integer
-# op (half the FMA rate on Hopper) per weight, and these kernels are ALU-bound on INT4.
+# into one LOP3), one add and one FMA; _nibbles spends a shift and two more integer ops (half
+# the FMA rate on Hopper) per weight, and this kernel is ALU-bound, not memory-bound.
 _ONE = 0x3F800000
 
 

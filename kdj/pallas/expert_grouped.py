@@ -16,9 +16,9 @@ Blocks past the last expert's are empty and skip the K loop. Quantised weights a
 dequantised tile by tile in registers:
   * int4: the bk inputs of a tile are 8 interleaved planes of bk / 8 words (input 8 r + j is
     nibble j of word r); the input rows are passed de-interleaved the same way (xt[8 a + j,
-    r] = x[a, 8 r + j], pre-scaled as expert_gemv's), so the tile is 8 dots of K = bk / 8,
-    one per nibble plane, each scaled by its words' group scales (contiguous rows, repeated
-    in registers); both dot operands are bf16 whatever x's dtype.
+    r] = x[a, 8 r + j]), so the tile is 8 dots of K = bk / 8, one per nibble plane, each
+    scaled by its words' group scales (contiguous rows, repeated in registers); both dot
+    operands are bf16 whatever x's dtype.
   * fp8: a tile never straddles a scale block, so it has one scale.
 
 The MoE layer runs it on the GPU for more tokens than the gathered GEMV takes
@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kdj.pallas.expert_gemv import _ONE, FORMATS, _int4_planes, call
+from kdj.pallas.expert_gemv import FORMATS, _nibbles, call, deinterleave
 
 
 def blocks(ids, num_experts: int, bm: int):
@@ -90,23 +90,17 @@ def _kernel(be_ref, rows_ref, x_ref, w_ref, *rest, fmt, K, F, bm, bk, bf, wpg, b
             words = t * kw + jnp.arange(kw)
             ws, scales = [], []
             for f0 in f0s:
-                w = load_w(f0, t * kw, kw).astype(jnp.int32)  # [kw, bf]
-                ws.append((w, w >> 16))  # nibbles 0-3 and 4-7 in the low bits
+                ws.append(load_w(f0, t * kw, kw).astype(jnp.int32))  # [kw, bf]
                 cols = jnp.minimum(f0 + jnp.arange(bf), F - 1)
                 scale = s_ref[ee, t * G + jnp.arange(G)[:, None], cols[None, :]]
                 scale = jnp.broadcast_to(scale.astype(jnp.float32)[:, None, :], (G, wpg, bf))
                 scales.append(scale.reshape(kw, bf))
             for n in range(8):  # nibble plane n: inputs 8 r + n of the tile's words r
-                m = n % 4  # the nibble's place in its 16-bit half (expert_gemv._ONE)
-                xn = x_ref[(r * 8 + n)[:, None], words[None, :]]  # [bm, kw], x * 2**(23-4m)
+                xn = x_ref[(r * 8 + n)[:, None], words[None, :]]  # [bm, kw]
                 xn = jnp.where(row_ok, xn, 0).astype(jnp.bfloat16)
                 for i, (w, scale) in enumerate(zip(ws, scales)):
-                    bits = (w[n // 4] & (0xF << 4 * m)) | _ONE
-                    # 1 + u 2**(4m-23) minus 1 + 8 2**(4m-23) is (u - 8) 2**(4m-23) exactly:
-                    # the dequantised weight (rounded as dequant_stacked rounds it) times a
-                    # power of two that the input plane's pre-scale cancels
-                    u = lax.bitcast_convert_type(bits, jnp.float32) - (1.0 + 2.0 ** (4 * m - 20))
-                    accs[i] += plgpu.dot(xn, (u * scale).astype(jnp.bfloat16)).astype(jnp.float32)
+                    u = (_nibbles(w, n) * scale).astype(jnp.bfloat16)
+                    accs[i] += plgpu.dot(xn, u).astype(jnp.float32)
             return tuple(accs)
         ks = t * bk + jnp.arange(bk)
         xt = jnp.where(row_ok, x_ref[r[:, None], ks[None, :]], 0)  # [bm, bk], shared by parts
@@ -204,7 +198,7 @@ def grouped_matmul(x, rows, block_expert, value, scale=None, fmt: str = "float",
         raise ValueError(f"{fmt} gate/up of {F} columns does not split into gate | up halves")
     width = half or F
     nb, nf = block_expert.shape[0], pl.cdiv(width, bf)
-    xin = _int4_planes(x) if fmt == "int4" else x
+    xin = deinterleave(x) if fmt == "int4" else x
     kernel = functools.partial(_kernel, fmt=fmt, K=K, F=F, bm=bm, bk=bk, bf=bf, wpg=wpg,
                                block=block, half=half)  # fmt: skip
     ins = [block_expert, rows, xin, value] + ([] if fmt == "float" else [scale])
