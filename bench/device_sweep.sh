@@ -32,8 +32,8 @@
 #   train-2l (after the copies, regen and assemble; carry .traincache/data-turns-all; three
 #            calls back to back, each resumes): a 2-layer drafter as long as the shipped
 #            one (configs/train/smollm2-b16-2layer.yaml)
-#   grouped-fused (no GGUF): the layer's grouped path (SwiGLU in the gate/up kernel's
-#            epilogue) against SwiGLU as a separate op, 96 to 24,576 assignments, bf16/INT4/FP8
+#   grouped-fused (no GGUF): SwiGLU in the grouped gate/up kernel's epilogue against the
+#            layer's unfused grouped path, 96 to 24,576 assignments, bf16/INT4/FP8 (not yet run)
 #   Two-GPU calls (nvidia-h200-x2), one job per GPU, logs in $OUT:
 #   pair-ablate: ablate on GPU 0, accept sharegpt on GPU 1 (carry both .traincache folders)
 #   pair-auto:   stage 3 then grouped on GPU 0, accept humaneval on GPU 1
@@ -196,7 +196,7 @@ pair-train-a)
   CUDA_VISIBLE_DEVICES=0 bash "$0" train-2l > "$OUT/train.log" 2>&1 &
   (export CUDA_VISIBLE_DEVICES=1; G=$OUT/gpu1; mkdir -p "$G"
    quiet timeout 200 python bench/expert_gather.py --model moonlight-16b-a3b --assignments 96 \
-     1536 24576 --formats float int4 fp8 --variants grouped grouped-unfused --iters 10 \
+     1536 24576 --formats float int4 fp8 --variants grouped grouped-fused --iters 10 \
      --out "$G/grouped_fused.json"
    quiet timeout 130 python bench/expert_gather.py --model moonlight-16b-a3b --assignments 96 \
      --formats float --variants grouped --iters 20 --grouped-tiles 16,128,64,4,3 \
@@ -214,9 +214,9 @@ pair-train-b)
   (export CUDA_VISIBLE_DEVICES=1; G=$OUT/gpu1; mkdir -p "$G"
    quiet timeout 120 python bench/expert_gather.py --model kimi-k2-slice --assignments 8 64 \
      --formats float int4 --variants kernel --iters 30 --out "$G/kimi_gemv.json"
-   quiet timeout 150 python bench/expert_gather.py --model moonlight-16b-a3b --assignments 6 \
-     48 96 24576 --formats float int4 --variants kernel grouped grouped-unfused --iters 10 \
-     --out "$G/moonlight_experts.json"
+   quiet timeout 120 python bench/expert_gather.py --model moonlight-16b-a3b --assignments 6 \
+     48 96 --formats float int4 --variants kernel grouped grouped-fused --iters 20 \
+     --out "$G/moonlight_small.json"
    quiet timeout 100 python bench/roofline.py --models kimi-k2-slice --experts bf16 int4 \
      --batches 1 --tokens 1 8 --moe-shapes 1x1 1x8 --repeats 5 --out "$G/roofline_kimi-slice.json"
    quiet timeout 180 python bench/roofline.py --models moonlight-16b-a3b --batches 1 16 \
@@ -234,7 +234,7 @@ train-2l)
   ;;
 grouped-fused)
   quiet python bench/expert_gather.py --model moonlight-16b-a3b --assignments 96 1536 6144 \
-    24576 --formats float int4 fp8 --variants grouped grouped-unfused --iters 10 \
+    24576 --formats float int4 fp8 --variants grouped grouped-fused --iters 10 \
     --out "$OUT/grouped_fused.json"
   ;;
 train-all)  # after stage 3 (the GGUF assembled; carry .traincache/data-turns-all): continue

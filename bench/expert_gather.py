@@ -10,7 +10,7 @@ experts (kdj.models.deepseek.expert_swiglu_gathered, through ExpertWeight.matvec
     ragged   jax.lax.ragged_dot over all experts (XLA's grouped GEMM: the CPU path)
     grouped  the Pallas grouped kernel (kdj/pallas/expert_grouped.py), the layer's path for
              many tokens on the GPU: each touched expert read once per block of its rows
-    grouped-unfused  the grouped path with SwiGLU as a separate op (the layer fuses it)
+    grouped-fused  the same with SwiGLU in the gate/up kernel's epilogue (a candidate)
 
 Each variant's output is also compared with ragged_dot's (rel_err: max abs difference / max
 abs value). With --tiles, the GEMV kernel alone on the gate/up matrix [E, D, 2I] for each
@@ -63,7 +63,7 @@ def xla_gathered(*args):
 
 VARIANTS = {"kernel": expert_swiglu_gathered, "xla": xla_gathered, "ragged": expert_swiglu,
             "grouped": expert_swiglu_grouped,
-            "grouped-unfused": functools.partial(expert_swiglu_grouped, fused=False)}  # fmt: skip
+            "grouped-fused": functools.partial(expert_swiglu_grouped, fused=True)}  # fmt: skip
 
 
 def stored_bytes(w: ExpertWeight, experts: int) -> int:

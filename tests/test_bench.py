@@ -101,7 +101,7 @@ def test_expert_gather_smoke(tmp_path):
     assert all("error" not in r and r["us"] > 0 for r in rows), rows
     assert not any(r["gemv_kernel"] for r in rows)  # no GPU here
     by = {(r["format"], r["variant"]): r for r in rows}
-    assert set(v for _, v in by) == {"kernel", "xla", "ragged", "grouped", "grouped-unfused",
+    assert set(v for _, v in by) == {"kernel", "xla", "ragged", "grouped", "grouped-fused",
                                      "gemv_gate_up[8,32,4,2]",
                                      "grouped_gate_up[32,128,32,4,2]"}  # fmt: skip
     assert by["int4", "kernel"]["bytes"] < by["float", "kernel"]["bytes"] / 3

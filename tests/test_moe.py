@@ -267,8 +267,8 @@ def test_fused_swiglu_epilogue_matches_the_dense_experts(fmt, tokens):
     """The candidate with SwiGLU in the gate/up kernel's epilogue (activations written in
     x's dtype) computes the same experts, and what the unfused form computes."""
     x, w, idx, q, want = swiglu_case(fmt, tokens)
-    fused = np.asarray(deepseek.expert_swiglu_grouped(x, w, idx, *q), np.float32)
-    plain = np.asarray(deepseek.expert_swiglu_grouped(x, w, idx, *q, fused=False), np.float32)
+    fused = np.asarray(deepseek.expert_swiglu_grouped(x, w, idx, *q, fused=True), np.float32)
+    plain = np.asarray(deepseek.expert_swiglu_grouped(x, w, idx, *q), np.float32)
     np.testing.assert_allclose(fused, want, rtol=0.05, atol=0.05)
     np.testing.assert_allclose(fused, plain, rtol=0.02, atol=0.02)
 
