@@ -115,31 +115,12 @@ def call(kernel, ins, *, grid, out_block, out_shape, num_warps, num_stages, inte
         )(*ins)
 
 
-# The GEMV's nibble decode (the grouped kernel's dot takes _nibbles): nibble m of a 16-bit
-# half, masked in place and OR-ed into the bits of 1.0, is the float 1 + u * 2**(4 m - 23), and
-# minus 1 it is u * 2**(4 m - 23) exactly. The input plane that meets it comes pre-scaled by
-# 2**(23 - 4 m) (a power of two: exact), so a weight costs one logic op (the AND and OR fuse
-# into one LOP3), one add and one FMA; _nibbles spends a shift and two more integer ops (half
-# the FMA rate on Hopper) per weight, and this kernel is ALU-bound, not memory-bound.
-_ONE = 0x3F800000
-
-
-def _int4_planes(x):
-    """x [n, K] -> [8 n, K / 8]: deinterleave(x) with plane 8 i + j scaled by 2**(23 - 4 (j % 4)),
-    the inputs that meet nibble j % 4 of a word's low (j < 4) or high half."""
-    n = x.shape[0]
-    dtype = x.dtype if x.dtype in (jnp.bfloat16, jnp.float32) else jnp.float32  # 8-bit exponent
-    scale = jnp.asarray([2.0 ** (23 - 4 * (j % 4)) for j in range(8)], dtype)
-    planes = deinterleave(x.astype(dtype)).reshape(n, 8, -1) * scale[None, :, None]
-    return planes.reshape(8 * n, -1)
-
-
 def _int4_kernel(ids_ref, x_ref, w_ref, s_ref, o_ref, *, words, wpg, bk, F, bf):
     """One (assignment, column tile) program over INT4 words [E, words, F]: a scale group is
     wpg words (8 wpg inputs) sharing scale row s[e, g, :]; a tile is bk words (bk / wpg whole
     groups) x bf columns. The tile's scale rows are one contiguous [bk / wpg, bf] load,
     repeated to the tile's rows in registers (a gather of one scale per word would cost as
-    many load instructions as the weights). x_ref: _int4_planes of the inputs."""
+    many load instructions as the weights)."""
     i, j = pl.program_id(0), pl.program_id(1)
     e = ids_ref[i]
     f0 = j * bf
@@ -158,20 +139,14 @@ def _int4_kernel(ids_ref, x_ref, w_ref, s_ref, o_ref, *, words, wpg, bk, F, bf):
         row_ok = rows < words if ragged else None
         w = _load(w_ref.at[e, pl.ds(t * bk, bk), pl.ds(f0, bf)], tile_mask(row_ok))
         w = w.astype(jnp.int32)
-        halves = (w, w >> 16)  # the arithmetic shift's sign bits are masked off below
-        part = jnp.zeros((bk, bf), jnp.float32)  # sum over the word's inputs of x * u
-        xsum = jnp.zeros((bk,), jnp.float32)  # and of x: u is stored with a +8 offset
-        for n in range(8):  # nibble n of word r is input 8 r + n
-            m = n % 4
-            bits = (halves[n // 4] & (0xF << 4 * m)) | _ONE
-            u = lax.bitcast_convert_type(bits, jnp.float32) - 1.0  # u * 2**(4m - 23)
-            xn = _load(x_ref.at[i * 8 + n, pl.ds(t * bk, bk)], row_ok).astype(jnp.float32)
-            part += xn[:, None] * u
-            xsum += xn * 2.0 ** (4 * m - 23)
+        part = jnp.zeros((bk, bf), jnp.float32)
+        for n in range(8):  # nibble n of word r is input 8 r + n, stored with a +8 offset
+            xn = _load(x_ref.at[i * 8 + n, pl.ds(t * bk, bk)], row_ok)
+            part += xn.astype(jnp.float32)[:, None] * _nibbles(w, n)
         g_ok = (t * G + jnp.arange(G)) < words // wpg if ragged else None
         scale = _load(s_ref.at[e, pl.ds(t * G, G), pl.ds(f0, bf)], tile_mask(g_ok))
         scale = jnp.broadcast_to(scale.astype(jnp.float32)[:, None, :], (G, wpg, bf))
-        return acc + (part - 8.0 * xsum[:, None]) * scale.reshape(bk, bf)
+        return acc + part * scale.reshape(bk, bf)
 
     acc = lax.fori_loop(0, pl.cdiv(words, bk), body, jnp.zeros((bk, bf), jnp.float32))
     o_ref[...] = acc.sum(axis=0)
@@ -215,7 +190,7 @@ def expert_gemv(x, ids, value, scale=None, fmt: str = "float", *, interpret: boo
         bk = max(wpg, (block_k or 128) // wpg * wpg)  # words, whole groups
         bf = block_f or 32
         kernel = functools.partial(_int4_kernel, words=rows, wpg=wpg, bk=bk, F=F, bf=bf)
-        xin = _int4_planes(x)
+        xin = deinterleave(x)
     else:
         if rows != K:
             raise ValueError(f"expert weights {value.shape} do not match inputs of width {K}")
