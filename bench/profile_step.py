@@ -11,7 +11,9 @@ jitted with the graphdef static and synced after every call (roofline.py's old t
 "auto-skip", method="auto"'s decode loop with a random 4-layer block-16 drafter and no probe
 (every step skips the drafter: the plain path the controller takes where drafting does not
 pay), to set against "ar"; "auto-first", the same loop but its first step drafts (no prior,
-as when the drafter's calibration promised a win), as real runs at small batch do. A case
+as when the drafter's calibration promised a win), as real runs at small batch do;
+"ar-xla-dense", "ar" with every dense projection left to XLA's dot (kdj.models.layers.matmul's
+one-row Pallas GEMV switched off), to set against "ar". A case
 runs to compile, timed, then under jax.profiler.trace. Device events (GPU: kernels on the
 /device:GPU streams; CPU: XLA thunks on tf_XLA* threads) are summed by name and category, with
 busy time and kernels per step and the heaviest Python frames; JSON is saved after each case.
@@ -43,6 +45,7 @@ import kdj
 from kdj.cache import init_cache
 from kdj.decode import autoregressive as ar
 from kdj.decode import speculative
+from kdj.models import layers
 from kdj.models.transformer import build_model
 
 CATEGORIES = (  # (category, pattern): first match on the lower-cased kernel name wins
@@ -236,10 +239,9 @@ def step_case(target, B, context, steps, rng, static: bool):
 def profile_case(spec: str, args, targets: dict, trace_root: Path) -> dict:
     name, batch, method = spec.rsplit(":", 2)
     B, steps, ctx = int(batch), args.steps, args.context
-    if method not in ("ar", "auto-skip", "auto-first", "step", "step-static"):
-        raise ValueError(
-            f"{spec}: the method must be ar, auto-skip, auto-first, step or step-static"
-        )
+    if method not in ("ar", "ar-xla-dense", "auto-skip", "auto-first", "step", "step-static"):
+        raise ValueError(f"{spec}: the method must be ar, ar-xla-dense, auto-skip, auto-first, "
+                         "step or step-static")  # fmt: skip
     if name not in targets:  # a config (random weights) or anything kdj.load_target takes
         targets.clear()  # one model in memory at a time
         if name.endswith((".yaml", ".yml")) or (CONFIGS / f"{name}.yaml").exists():
@@ -248,6 +250,18 @@ def profile_case(spec: str, args, targets: dict, trace_root: Path) -> dict:
         else:
             targets[name] = kdj.load_target(name, dtype=args.dtype)
     target, rng = targets[name], np.random.default_rng(B)
+    if method == "ar-xla-dense":  # traced afresh with the switch off, and back on afterwards
+        jax.clear_caches()
+        keep, layers.uses_gemv = layers.uses_gemv, lambda x, w: False
+        try:
+            traces = trace_root / "xla-dense"  # its own folder: the "ar" case's may exist
+            return profile_case(f"{name}:{batch}:ar", args, targets, traces) | {
+                "case": spec,
+                "method": method,
+            }
+        finally:
+            layers.uses_gemv = keep
+            jax.clear_caches()
     if method == "ar":
         prepare, run = ar_case(target, B, ctx, steps, rng)
     elif method in ("auto-skip", "auto-first"):

@@ -107,3 +107,32 @@ def test_expert_gather_smoke(tmp_path):
     assert by["int4", "kernel"]["bytes"] < by["float", "kernel"]["bytes"] / 3
     # every layer variant computes what ragged_dot does (bf16 rounding apart)
     assert all(r["rel_err"] < 0.02 for r in rows if "[" not in r["variant"]), rows
+
+
+def test_dense_gemv_smoke(tmp_path):
+    """bench/dense_gemv.py: every dense matrix of a tiny MoE's decode step, XLA's dot and the
+    GEMV (interpreted here) with the split rule's and an extra K split, agree."""
+    import importlib.util
+    from pathlib import Path
+
+    cfg = tmp_path / "tiny-moe.yaml"
+    cfg.write_text(TINY_MOE.replace("hidden_size: 64", "hidden_size: 512"))
+    path = Path(__file__).resolve().parent.parent / "bench" / "dense_gemv.py"
+    spec = importlib.util.spec_from_file_location("dense_gemv", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "dg.json"
+    rows = bench.main(["--model", str(cfg), "--splits", "2", "--iters", "1", "--out", str(out)])
+    assert json.loads(out.read_text())["rows"] == rows
+    assert {r["matrix"] for r in rows} == {
+        "q_proj",
+        "kv_a",
+        "o",
+        "shared_gate_up",
+        "shared_down",
+        "mlp_gate_up",
+        "mlp_down",
+        "lm_head",
+    }
+    assert all("error" not in r and r["us"] > 0 and r["rel_err"] < 0.02 for r in rows), rows
+    assert {r["variant"] for r in rows if r["matrix"] == "mlp_down"} == {"xla", "gemv", "gemv/2"}

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from kdj.checkpoints.quant import quant_fp8_stacked, quant_int4_stacked
 from kdj.models import deepseek
@@ -92,6 +93,48 @@ def test_gemv_kernel_matches_the_xla_gather(fmt, K, F):
     want = expert_gemv.reference(x, ids, value, scale, fmt)
     assert got.shape == (n, F) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_int4_gemv_is_exact_for_wide_ranging_inputs(dtype):
+    """The INT4 GEMV on f32 inputs from 1e-3 to 1e4, and on float16 ones, gives the
+    dequantised matvec to f32 rounding (nibbles become floats through exponent bits)."""
+    rng = np.random.default_rng(3)
+    E, n, K, F = 3, 4, 128, 64
+    w = jnp.asarray(rng.standard_normal((E, K, F)) * 0.1, jnp.bfloat16)
+    value, scale = quantised(w, "int4")
+    mag = 10.0 ** rng.uniform(-3, 4 if dtype == jnp.float32 else 3, (n, K))
+    x = jnp.asarray(rng.choice([-1.0, 1.0], (n, K)) * mag, dtype)
+    ids = jnp.asarray([0, 2, 1, 2], jnp.int32)
+    got = expert_gemv.expert_gemv(x, ids, value, scale, "int4", interpret=True, block_k=8)
+    want = expert_gemv.reference(x, ids, value, scale, "int4")
+    assert np.isfinite(np.asarray(got)).all()
+    tol = 1e-5 * float(np.abs(np.asarray(want)).max())
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=tol)
+
+
+def test_one_row_projections_take_the_gemv_split_over_k(monkeypatch):
+    """layers.matmul at one row: the Pallas GEMV (interpreted here; forced, since it is a
+    lone-GPU path) split over K computes what XLA's dot does, for a Linear and for the MLP's
+    [D, 2, I] gate/up, ragged K slices included; more rows keep XLA's dot."""
+    from kdj.models import layers
+
+    assert not layers.uses_gemv(jnp.zeros((1, 4096)), jnp.zeros((4096, 4096)))  # CPU: XLA
+    assert layers.gemv_splits(2048, 3072) == 8 and layers.gemv_splits(2048, 64 * 512) == 1
+    assert layers.gemv_splits(2816, 2048) == 8  # 352-row slices: ragged K tiles of 128
+    ran = []
+    monkeypatch.setattr(layers, "uses_gemv", lambda x, w: ran.append(w.shape) or x.size == 704)
+    rng = np.random.default_rng(5)
+    lin = layers.Linear(704, 96, ("embed", "mlp"), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    mlp = layers.MLP(704, 48, dtype=jnp.float32, rngs=nnx.Rngs(1))
+    for x in (rng.standard_normal((1, 1, 704)), rng.standard_normal((2, 3, 704))):
+        x = jnp.asarray(x, jnp.float32)
+        np.testing.assert_allclose(lin(x), x @ lin.kernel[...], rtol=1e-4, atol=1e-3)
+        wgu = mlp.gate_up[...]
+        h = jnp.einsum("...d,dci->...ci", x, wgu)
+        want = mlp.down(jax.nn.silu(h[..., 0, :]) * h[..., 1, :])
+        np.testing.assert_allclose(mlp(x), want, rtol=1e-4, atol=1e-3)
+    assert (704, 2, 48) in ran and (704, 96) in ran
 
 
 def test_gemv_kernel_refuses_mismatched_weights():

@@ -31,11 +31,12 @@ def test_profile_step_cpu(tmp_path):
     cfg.write_text(TINY_LLAMA)
     out = tmp_path / "profile.json"
     args = ["--cases", f"{cfg}:2:ar", f"{cfg}:1:step", f"{cfg}:2:auto-skip",
-            f"{cfg}:2:auto-first", "--context", "8", "--steps", "3",
+            f"{cfg}:2:auto-first", f"{cfg}:2:ar-xla-dense", "--context", "8", "--steps", "3",
             "--out", str(out), "--trace-dir", str(tmp_path / "traces")]  # fmt: skip
     profile_step.main(args)
     result = json.loads(out.read_text())
-    cases = [f"{cfg}:2:ar", f"{cfg}:1:step", f"{cfg}:2:auto-skip", f"{cfg}:2:auto-first"]
+    cases = [f"{cfg}:2:ar", f"{cfg}:1:step", f"{cfg}:2:auto-skip", f"{cfg}:2:auto-first",
+             f"{cfg}:2:ar-xla-dense"]  # fmt: skip
     assert [c["case"] for c in result["cases"]] == cases
     for case in result["cases"]:
         assert "error" not in case, case.get("error")

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from kdj.config import ModelConfig
-from kdj.pallas import tree_attention
+from kdj.pallas import expert_gemv, tree_attention
 
 NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax rather than NaN
 
@@ -37,6 +37,47 @@ def zeros(shape, axes, dtype) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, dtype), axes=tuple(axes))
 
 
+# One-row matmuls (batch-1 decode) of big weight matrices run through the Pallas GEMV. XLA
+# rewrites a one-row dot into a multiply + reduce, which streamed Moonlight's projections at
+# ~1.2 TB/s (the profile in BENCHMARKS.md "Where decode time goes"); the GEMV streams expert
+# matrices at 2.2-3.6 TB/s. Smaller matrices stay with XLA: a few microseconds either way,
+# and there XLA fusing the matvec into its neighbours counts for more.
+GEMV_MIN_WEIGHTS = 1 << 21
+GEMV_PROGRAMS = 512  # ~4 per SM on an H200: K is split until the grid has this many programs
+
+
+def gemv_splits(K: int, F: int, block_f: int = 64) -> int:
+    """How many K slices the one-row GEMV takes for w [K, F]: a power of two that fills
+    GEMV_PROGRAMS programs of block_f columns, each slice >= 256 rows and dividing K."""
+    s = 1
+    while s * -(-F // block_f) < GEMV_PROGRAMS and K % (2 * s) == 0 and K // (2 * s) >= 256:
+        s *= 2
+    return s
+
+
+def uses_gemv(x, w) -> bool:
+    """Whether matmul(x, w) runs the Pallas GEMV: one row, a big matrix, on a lone GPU (a
+    pallas_call has no partitioning rule, so sharded weights stay with XLA). Static."""
+    return (
+        math.prod(x.shape[:-1]) == 1
+        and w.size >= GEMV_MIN_WEIGHTS
+        and jax.default_backend() == "gpu"
+        and jax.device_count() == 1
+    )
+
+
+def matmul(x, w):
+    """x [..., K] @ w [K, *out] -> [..., *out] in their result dtype (float32 accumulation)."""
+    if not uses_gemv(x, w):  # XLA's dot (w keeps its shape: a flattening could reshard it)
+        return jnp.tensordot(x, w, axes=1)
+    K, out = w.shape[0], w.shape[1:]
+    s, F = gemv_splits(K, math.prod(out)), math.prod(out)
+    # split-K as s one-row "experts": slice j of x meets rows j K/s .. (j + 1) K/s of w
+    y = expert_gemv.expert_gemv(x.reshape(s, K // s), jnp.arange(s, dtype=jnp.int32),
+                                w.reshape(s, K // s, F))  # fmt: skip
+    return y.sum(0).astype(jnp.result_type(x, w)).reshape(*x.shape[:-1], *out)
+
+
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias); kernel is [in, out] (the transpose of torch's weight)."""
 
@@ -45,7 +86,7 @@ class Linear(nnx.Module):
         self.bias = zeros((d_out,), axes[1:], dtype) if bias else None
 
     def __call__(self, x):
-        y = x @ self.kernel[...]
+        y = matmul(x, self.kernel[...])
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -73,7 +114,7 @@ class MLP(nnx.Module):
         self.down = Linear(hidden, dim, ("mlp", "embed"), dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
-        h = jnp.einsum("...d,dci->...ci", x, self.gate_up[...])
+        h = matmul(x, self.gate_up[...])  # [..., 2, I]
         return self.down(jax.nn.silu(h[..., 0, :]) * h[..., 1, :])
 
 

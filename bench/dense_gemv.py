@@ -1,0 +1,131 @@
+"""One-row projections at a model's shapes: XLA's dot against the Pallas GEMV split over K.
+
+A batch-1 decode step multiplies one row by every dense weight matrix (attention
+projections, shared experts, a dense MLP, the head). kdj.models.layers.matmul sends those of
+at least GEMV_MIN_WEIGHTS weights through the Pallas GEMV (kdj/pallas/expert_gemv.py), split
+over K into `gemv_splits` slices so that a one-row grid still fills the GPU. This script
+times, per matrix [K, F] of the model (random bf16 weights):
+
+    xla      jnp.tensordot(x, w): what XLA makes of a one-row dot
+    gemv     layers.matmul's kernel path, with its split
+    gemv/s   the kernel with s K slices (--splits), to check the split rule
+
+Reported: us per call (a jitted loop of --iters calls, the input changing every call), and
+TB/s on the matrix's bytes.
+
+    python bench/dense_gemv.py --model moonlight-16b-a3b --splits 1 4 16 --out r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from kdj.config import ModelConfig, load_yaml
+from kdj.models import layers
+from kdj.pallas import expert_gemv
+
+
+def shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """The dense [K, F] matrices of one decode step, by name (one of each kind)."""
+    D, H = cfg.hidden_size, cfg.num_heads
+    out = {}
+    if cfg.kv_lora_rank:  # MLA
+        qk = H * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        if cfg.q_lora_rank:
+            out |= {"q_a": (D, cfg.q_lora_rank), "q_b": (cfg.q_lora_rank, qk)}
+        else:
+            out["q_proj"] = (D, qk)
+        out["kv_a"] = (D, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        out["o"] = (H * cfg.v_head_dim, D)
+    else:
+        hd = cfg.head_dim or D // H
+        out |= {"q": (D, H * hd), "k": (D, cfg.num_kv_heads * hd), "o": (H * hd, D)}
+    if cfg.n_shared_experts:
+        Is = cfg.moe_intermediate_size * cfg.n_shared_experts
+        out |= {"shared_gate_up": (D, 2 * Is), "shared_down": (Is, D)}
+    out |= {"mlp_gate_up": (D, 2 * cfg.intermediate_size), "mlp_down": (cfg.intermediate_size, D)}
+    out["lm_head"] = (D, cfg.vocab_size)
+    return out
+
+
+def gemv(x, w, s: int):
+    """The kernel with s K slices (layers.matmul's kernel path with its split replaced)."""
+    K, F = w.shape
+    y = expert_gemv.expert_gemv(x.reshape(s, K // s), jnp.arange(s, dtype=jnp.int32),
+                                w.reshape(s, K // s, F))  # fmt: skip
+    return y.sum(0, keepdims=True).astype(x.dtype)
+
+
+def seconds_per_call(fn, x, w, iters: int) -> float:
+    """fn(x [1, K], w) -> [1, F], chained `iters` times in one jitted loop."""
+
+    @jax.jit
+    def loop(x, w):
+        def body(i, x):
+            return x + 1e-3 * fn(x, w).mean().astype(x.dtype)
+
+        return jax.lax.fori_loop(0, iters, body, x)
+
+    jax.block_until_ready(loop(x, w))  # compile + warm
+    t0 = time.perf_counter()
+    jax.block_until_ready(loop(x, w))
+    return (time.perf_counter() - t0) / iters
+
+
+def main(argv=None) -> list:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="moonlight-16b-a3b", help="configs/models name or YAML")
+    p.add_argument("--splits", nargs="*", type=int, default=[1], help="extra K splits to time")
+    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    path = Path(args.model)
+    if not path.exists():
+        path = Path(__file__).resolve().parent.parent / "configs" / "models" / f"{args.model}.yaml"
+    cfg = ModelConfig.from_hf(load_yaml(path))
+    meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "model": args.model,
+            "date": time.strftime("%Y-%m-%d"), "min_weights": layers.GEMV_MIN_WEIGHTS}  # fmt: skip
+    rows = []
+    key = jax.random.key(0)
+    for name, (K, F) in shapes(cfg).items():
+        w = (jax.random.normal(key, (K, F), jnp.float32) * K**-0.5).astype(jnp.bfloat16)
+        x = jax.random.normal(jax.random.fold_in(key, 1), (1, K), jnp.bfloat16)
+        rule = layers.gemv_splits(K, F)
+        variants = {"xla": lambda x, w: jnp.tensordot(x, w, axes=1),
+                    "gemv": lambda x, w, s=rule: gemv(x, w, s)}  # fmt: skip
+        for s in args.splits:
+            if s != rule and K % s == 0:
+                variants[f"gemv/{s}"] = lambda x, w, s=s: gemv(x, w, s)
+        ref = jnp.tensordot(x.astype(jnp.float32), w.astype(jnp.float32), axes=1)
+        for variant, fn in variants.items():
+            row = {"matrix": name, "K": K, "F": F, "variant": variant, "bytes": w.nbytes,
+                   "splits": rule if variant == "gemv" else None,
+                   "taken_by_matmul": w.size >= layers.GEMV_MIN_WEIGHTS}  # fmt: skip
+            try:
+                sec = seconds_per_call(fn, x, w, args.iters)
+                y = jax.jit(fn)(x, w).astype(jnp.float32)
+                err = float(jnp.abs(y - ref).max() / jnp.abs(ref).max())
+                row |= {"us": sec * 1e6, "TBps": w.nbytes / sec / 1e12, "rel_err": err}
+            except Exception as e:  # noqa: BLE001 - a variant that fails to lower is a result
+                row["error"] = repr(e)[:300]
+            rows.append(row)
+            print(row, flush=True)
+            if args.out:
+                Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    total = {v: sum(r.get("us", math.nan) for r in rows if r["variant"] == v
+                    and r["taken_by_matmul"] and r["matrix"] != "lm_head")
+             for v in ("xla", "gemv")}  # fmt: skip
+    print(f"matrices layers.matmul takes (not the head): xla {total['xla']:.1f} us, "
+          f"gemv {total['gemv']:.1f} us")  # fmt: skip
+    return rows
+
+
+if __name__ == "__main__":
+    main()
