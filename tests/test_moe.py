@@ -119,7 +119,17 @@ def test_one_row_projections_take_the_gemv_split_over_k(monkeypatch):
     [D, 2, I] gate/up, ragged K slices included; more rows keep XLA's dot."""
     from kdj.models import layers
 
-    assert not layers.uses_gemv(jnp.zeros((1, 4096)), jnp.zeros((4096, 4096)))  # CPU: XLA
+    one, two = jnp.zeros((1, 1, 2048)), jnp.zeros((2, 2048))
+    assert not layers.uses_gemv(one, jnp.zeros((2048, 3072)))  # CPU: XLA
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
+    assert layers.uses_gemv(one, jnp.zeros((2048, 3072)))  # Moonlight's q_proj
+    assert not layers.uses_gemv(two, jnp.zeros((2048, 3072)))  # two rows: XLA's GEMM
+    assert not layers.uses_gemv(one, jnp.zeros((2048, 576)))  # small: XLA fuses it
+    assert not layers.uses_gemv(one, jnp.zeros((2048, 2, 11264)))  # big: XLA's dot is fast
+    monkeypatch.setattr(jax, "device_count", lambda: 8)
+    assert not layers.uses_gemv(one, jnp.zeros((2048, 3072)))  # a mesh: weights may be split
+    monkeypatch.undo()
     assert layers.gemv_splits(2048, 3072) == 8 and layers.gemv_splits(2048, 64 * 512) == 1
     assert layers.gemv_splits(2816, 2048) == 8  # 352-row slices: ragged K tiles of 128
     ran = []

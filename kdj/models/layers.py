@@ -37,12 +37,14 @@ def zeros(shape, axes, dtype) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, dtype), axes=tuple(axes))
 
 
-# One-row matmuls (batch-1 decode) of big weight matrices run through the Pallas GEMV. XLA
-# rewrites a one-row dot into a multiply + reduce, which streamed Moonlight's projections at
-# ~1.2 TB/s (the profile in BENCHMARKS.md "Where decode time goes"); the GEMV streams expert
-# matrices at 2.2-3.6 TB/s. Smaller matrices stay with XLA: a few microseconds either way,
-# and there XLA fusing the matvec into its neighbours counts for more.
-GEMV_MIN_WEIGHTS = 1 << 21
+# One-row matmuls (batch-1 decode) of mid-sized weight matrices run through the Pallas GEMV.
+# XLA rewrites such a one-row dot into a multiply + reduce: Moonlight's attention and
+# shared-expert projections (8-23M weights) ran at 0.4-1.1 TB/s, the GEMV split over K at
+# 0.7-1.6 TB/s, and the batch-1 decode loop went from 4.50 to 3.64 ms per step
+# (bench/dense_gemv.py, profile_step.py "ar-xla-dense"; BENCHMARKS.md "Dense projections").
+# Below 2M weights it is a few microseconds either way, and XLA fusing the matvec into its
+# neighbours counts for more; from 16M up XLA's dot runs at 2.7-4.2 TB/s and stays.
+GEMV_MIN_WEIGHTS, GEMV_MAX_WEIGHTS = 1 << 21, 1 << 24
 GEMV_PROGRAMS = 512  # ~4 per SM on an H200: K is split until the grid has this many programs
 
 
@@ -56,11 +58,11 @@ def gemv_splits(K: int, F: int, block_f: int = 64) -> int:
 
 
 def uses_gemv(x, w) -> bool:
-    """Whether matmul(x, w) runs the Pallas GEMV: one row, a big matrix, on a lone GPU (a
-    pallas_call has no partitioning rule, so sharded weights stay with XLA). Static."""
+    """Whether matmul(x, w) runs the Pallas GEMV: one row, a mid-sized matrix, on a lone GPU
+    (a pallas_call has no partitioning rule, so sharded weights stay with XLA). Static."""
     return (
         math.prod(x.shape[:-1]) == 1
-        and w.size >= GEMV_MIN_WEIGHTS
+        and GEMV_MIN_WEIGHTS <= w.size < GEMV_MAX_WEIGHTS
         and jax.default_backend() == "gpu"
         and jax.device_count() == 1
     )
