@@ -33,7 +33,8 @@
 #            calls back to back, each resumes): a 2-layer drafter as long as the shipped
 #            one (configs/train/smollm2-b16-2layer.yaml)
 #   grouped-fused (no GGUF): SwiGLU in the grouped gate/up kernel's epilogue against the
-#            layer's unfused grouped path, 96 to 24,576 assignments, bf16/INT4/FP8 (not yet run)
+#            layer's unfused grouped path, 96 to 24,576 assignments, bf16/INT4/FP8 (it ran
+#            inside pair-train-a: slower but at 96 assignments)
 #   Two-GPU calls (nvidia-h200-x2), one job per GPU, logs in $OUT:
 #   pair-ablate: ablate on GPU 0, accept sharegpt on GPU 1 (carry both .traincache folders)
 #   pair-auto:   stage 3 then grouped on GPU 0, accept humaneval on GPU 1
@@ -42,10 +43,14 @@
 #                grouped tiles at the 16-token verify, and the Kimi-K2 GEMV bf16 vs INT4
 #   pair-train-b (right after pair-train-a): train-2l resumed on GPU 0; on GPU 1 the Kimi-K2
 #                GEMV and slice, bf16 vs INT4, the MoE layer alone and Moonlight full depth
+#                (it ran on 2026-11-30 with two candidates since reverted, as "grouped" and
+#                "grouped-unfused": BENCHMARKS.md, "two rejected kernel changes")
 #   pair-final (after the four copies and assemble; carry .traincache/data): GPU 0 the
 #                shipped (2-layer) drafter's acceptance on both held-out sets; GPU 1 the
 #                one-row dense GEMV against XLA (per matrix, then the Moonlight batch-1 decode
 #                loop with and without it), the grouped tiles at the verify, the MoE layer
+#   tiles-more (no GGUF, two GPUs): more grouped tile settings for gate/up at the verify (96
+#                assignments) and at batch 256 x 16 (24,576): stages, wider and deeper tiles
 #   prep    (carry .traincache/regen-all-turns, after the four copies): regen + assemble
 #   pair-grouped (no GGUF): grouped on GPU 0; on GPU 1 the Moonlight-shape steps with the
 #                grouped kernel in the layer, and the step cost fitted to them
@@ -249,6 +254,19 @@ pair-final)
   wait
   tar -czf "$OUT/gpu1.tar.gz" -C "$OUT" gpu1 && rm -r "$OUT/gpu1"
   tail -n 6 "$OUT"/*.log
+  ;;
+tiles-more)  # two GPUs: the verify on GPU 0, batch 256 x 16 on GPU 1
+  (export CUDA_VISIBLE_DEVICES=0; quiet timeout 150 python bench/expert_gather.py \
+    --model moonlight-16b-a3b --assignments 96 --variants grouped --iters 20 --grouped-tiles \
+    16,128,128,8,3 16,128,128,8,4 16,256,128,8,3 16,64,256,8,3 16,128,256,8,3 16,64,128,4,4 \
+    16,128,128,4,3 --out "$OUT/tiles_verify.json") > "$OUT/tiles_verify.log" &
+  (export CUDA_VISIBLE_DEVICES=1; quiet timeout 150 python bench/expert_gather.py \
+    --model moonlight-16b-a3b --assignments 24576 --variants grouped --iters 10 --grouped-tiles \
+    128,64,128,8,3 128,64,128,8,4 128,64,256,8,3 256,64,128,8,3 128,128,128,8,3 \
+    64,64,256,8,3 128,32,256,8,4 256,64,256,8,3 --out "$OUT/tiles_large.json") \
+    > "$OUT/tiles_large.log" &
+  wait
+  tail -n 12 "$OUT"/*.log
   ;;
 train-2l)
   bench/train_smollm2_drafter.sh --config configs/train/smollm2-b16-2layer.yaml \

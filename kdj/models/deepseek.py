@@ -261,8 +261,10 @@ def expert_swiglu_grouped(x, weights, idx, w_gate_up, w_down, fused: bool = Fals
     the two matmuls. Each touched expert is read once per block of its rows.
 
     fused: SwiGLU in the gate/up kernel's epilogue, activations written once in x's dtype
-    instead of float32 gate and up columns. A candidate measured by bench/expert_gather.py
-    (variant "grouped-fused"); the layer runs the unfused form until it wins there."""
+    instead of float32 gate and up columns. Measured on an H200 (bench/expert_gather.py,
+    variant "grouped-fused"; BENCHMARKS.md) it was slower at every size but the smallest, with
+    the same tiles (two accumulators per program) or half-width ones, so the layer runs the
+    unfused form."""
     wgu, wd = ExpertWeight.of(w_gate_up), ExpertWeight.of(w_down)
     N, k = idx.shape
     E, I, D = wgu.num_experts, wd.layout()[1], x.shape[1]
