@@ -17,6 +17,9 @@ fitted to the fixed-method rows of earlier runs (their step times as measured th
 Prompts: the "sharegpt" held-out conversations of eval_prompts.json (what `kdj train-drafter`
 caches: ShareGPT conversations after the first 16,000), cycled when a batch needs more.
 Writes JSON, a markdown table (.md) and a plot (.png) of tokens/s and speedup vs batch size.
+Greedy agreement: each method's `identical_to_ar` (share of sequences token-identical to AR
+at the same batch), and AR against itself at the next smaller batch (`ar_identical_to_batch`),
+the rate at which bf16 kernels alone make greedy outputs differ.
 """
 
 from __future__ import annotations
@@ -129,12 +132,26 @@ def sweep(target, drafter, prompts, batches, methods, new, repeats, cost, fit_pa
     if "auto" in methods:
         for row in rows:
             measure(row, "auto", cost=cost)
+    ar_across_batches(rows)
     for row in rows:
         row.pop("prompts")
         row.pop("_ar_tokens", None)
         summarise(row)
     save(rows)
     return rows
+
+
+def ar_across_batches(rows) -> None:
+    """AR against itself at the next smaller batch, on the prompts both share (the first b
+    sequences: prompts cycle the same way at every batch), as row["ar_identical_to_batch"] =
+    {"batch": b, "identical": share of token-identical sequences}. bf16 kernels round
+    differently with the batch size as with the tokens per pass, so this is the rate
+    `identical_to_ar` of the speculative methods is to be read against."""
+    done = sorted((r for r in rows if r.get("_ar_tokens") is not None), key=lambda r: r["batch"])
+    for small, big in zip(done, done[1:]):
+        a, b = small["_ar_tokens"], big["_ar_tokens"][: len(small["_ar_tokens"])]
+        same = sum(x == y for x, y in zip(a, b)) / len(a)
+        big["ar_identical_to_batch"] = {"batch": small["batch"], "identical": same}
 
 
 def markdown(rows) -> str:

@@ -464,3 +464,22 @@ def test_bench_adaptive_refits_the_step_cost_from_saved_runs(tmp_path):
     runs[0].write_text(json.dumps({"meta": {}, "rows": rows[:1]}))
     with pytest.raises(SystemExit):
         adaptive.main([*pair, "--fit-from", str(runs[0]), "--fit-cost", str(out)])
+
+
+def test_bench_adaptive_compares_ar_across_batch_sizes():
+    """bench/adaptive.py: each batch's AR tokens against the next smaller batch's, on the
+    sequences both share; a batch without AR tokens is skipped."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import adaptive
+
+    rows = [{"batch": 4, "_ar_tokens": [[1, 2], [3, 4], [5, 6], [7, 8]]},
+            {"batch": 1, "_ar_tokens": [[1, 2]]},
+            {"batch": 16, "_ar_tokens": None},
+            {"batch": 8, "_ar_tokens": [[1, 2], [3, 5], [5, 6], [7, 9]] * 2}]  # fmt: skip
+    adaptive.ar_across_batches(rows)
+    by = {r["batch"]: r.get("ar_identical_to_batch") for r in rows}
+    assert by == {1: None, 4: {"batch": 1, "identical": 1.0},
+                  8: {"batch": 4, "identical": 0.5}, 16: None}  # fmt: skip
