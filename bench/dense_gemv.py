@@ -26,10 +26,10 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from roofline import model_config  # bench/ is the script directory
 
-from kdj.config import ModelConfig, load_yaml
+from kdj.config import ModelConfig
 from kdj.models import layers
-from kdj.pallas import expert_gemv
 
 
 def shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -57,10 +57,7 @@ def shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def gemv(x, w, s: int):
     """The kernel with s K slices (layers.matmul's kernel path with its split replaced)."""
-    K, F = w.shape
-    y = expert_gemv.expert_gemv(x.reshape(s, K // s), jnp.arange(s, dtype=jnp.int32),
-                                w.reshape(s, K // s, F))  # fmt: skip
-    return y.sum(0, keepdims=True).astype(x.dtype)
+    return layers.split_k_gemv(x, w, s)[None].astype(x.dtype)
 
 
 def seconds_per_call(fn, x, w, iters: int) -> float:
@@ -86,10 +83,7 @@ def main(argv=None) -> list:
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--out")
     args = p.parse_args(argv)
-    path = Path(args.model)
-    if not path.exists():
-        path = Path(__file__).resolve().parent.parent / "configs" / "models" / f"{args.model}.yaml"
-    cfg = ModelConfig.from_hf(load_yaml(path))
+    cfg = model_config(args.model)
     meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "model": args.model,
             "date": time.strftime("%Y-%m-%d"), "min_weights": layers.GEMV_MIN_WEIGHTS}  # fmt: skip
     rows = []

@@ -38,9 +38,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from roofline import model_config  # bench/ is the script directory
 
 from kdj.checkpoints.quant import quant_fp8_stacked, quant_int4_stacked
-from kdj.config import ModelConfig, load_yaml
 from kdj.models import deepseek
 from kdj.models.deepseek import (
     ExpertWeight,
@@ -101,10 +101,7 @@ def main(argv=None) -> list:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out")
     args = p.parse_args(argv)
-    path = Path(args.model)
-    if not path.exists():
-        path = Path(__file__).resolve().parent.parent / "configs" / "models" / f"{args.model}.yaml"
-    cfg = ModelConfig.from_hf(load_yaml(path))
+    cfg = model_config(args.model)
     E, D, I, k = (cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                   cfg.num_experts_per_tok)  # fmt: skip
     keys = jax.random.split(jax.random.key(0), 4)

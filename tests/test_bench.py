@@ -4,6 +4,7 @@ writes consistent JSON + markdown; no timing assertions."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -89,6 +90,7 @@ def test_expert_gather_smoke(tmp_path):
     cfg.write_text(TINY_MOE.replace("hidden_size: 64", "hidden_size: 128").replace(
         "moe_intermediate_size: 32", "moe_intermediate_size: 128"))  # fmt: skip
     path = Path(__file__).resolve().parent.parent / "bench" / "expert_gather.py"
+    sys.path.insert(0, str(path.parent))  # its `from roofline import ...`, as when run
     spec = importlib.util.spec_from_file_location("expert_gather", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -118,6 +120,7 @@ def test_dense_gemv_smoke(tmp_path):
     cfg = tmp_path / "tiny-moe.yaml"
     cfg.write_text(TINY_MOE.replace("hidden_size: 64", "hidden_size: 512"))
     path = Path(__file__).resolve().parent.parent / "bench" / "dense_gemv.py"
+    sys.path.insert(0, str(path.parent))  # its `from roofline import ...`, as when run
     spec = importlib.util.spec_from_file_location("dense_gemv", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

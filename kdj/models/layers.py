@@ -68,16 +68,23 @@ def uses_gemv(x, w) -> bool:
     )
 
 
+def split_k_gemv(x, w, s: int):
+    """One row x (K values) @ w [K, F] through the Pallas GEMV as s one-row "experts": slice j
+    of x meets rows j K/s .. (j + 1) K/s of w (s divides K). -> [F] float32."""
+    K, F = w.shape
+    y = expert_gemv.expert_gemv(x.reshape(s, K // s), jnp.arange(s, dtype=jnp.int32),
+                                w.reshape(s, K // s, F))  # fmt: skip
+    return y.sum(0)
+
+
 def matmul(x, w):
     """x [..., K] @ w [K, *out] -> [..., *out] in their result dtype (float32 accumulation)."""
     if not uses_gemv(x, w):  # XLA's dot (w keeps its shape: a flattening could reshard it)
         return jnp.tensordot(x, w, axes=1)
     K, out = w.shape[0], w.shape[1:]
-    s, F = gemv_splits(K, math.prod(out)), math.prod(out)
-    # split-K as s one-row "experts": slice j of x meets rows j K/s .. (j + 1) K/s of w
-    y = expert_gemv.expert_gemv(x.reshape(s, K // s), jnp.arange(s, dtype=jnp.int32),
-                                w.reshape(s, K // s, F))  # fmt: skip
-    return y.sum(0).astype(jnp.result_type(x, w)).reshape(*x.shape[:-1], *out)
+    w2 = w.reshape(K, -1)
+    y = split_k_gemv(x, w2, gemv_splits(*w2.shape))
+    return y.astype(jnp.result_type(x, w)).reshape(*x.shape[:-1], *out)
 
 
 class Linear(nnx.Module):
