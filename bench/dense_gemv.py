@@ -3,7 +3,7 @@
 A batch-1 decode step multiplies one row by every dense weight matrix (attention
 projections, shared experts, a dense MLP, the head). kdj.models.layers.matmul sends those of
 at least GEMV_MIN_WEIGHTS weights through the Pallas GEMV (kdj/pallas/expert_gemv.py), split
-over K into `gemv_splits` slices so that a one-row grid still fills the GPU. This script
+over K into `expert_gemv.splits` slices so that a one-row grid still fills the GPU. This script
 times, per matrix [K, F] of the model (random bf16 weights):
 
     xla      jnp.tensordot(x, w): what XLA makes of a one-row dot
@@ -26,10 +26,12 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from roofline import model_config  # bench/ is the script directory
 
 from kdj.config import ModelConfig
 from kdj.models import layers
+from kdj.pallas import expert_gemv
 
 
 def shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -59,7 +61,9 @@ def gemv(x, w, s: int):
     """The kernel with s K slices (layers.matmul's kernel path with its split replaced)."""
     if w.shape[0] % s:
         raise ValueError(f"{s} K slices do not divide K = {w.shape[0]}")
-    return layers.split_k_gemv(x, w, s)[None].astype(x.dtype)
+    K, F = w.shape
+    y = expert_gemv.expert_gemv(x.reshape(1, K), np.zeros(1, np.int32), w[None], splits=s)
+    return y.astype(x.dtype)
 
 
 def seconds_per_call(fn, x, w, iters: int) -> float:
@@ -93,7 +97,7 @@ def main(argv=None) -> list:
     for name, (K, F) in shapes(cfg).items():
         w = (jax.random.normal(key, (K, F), jnp.float32) * K**-0.5).astype(jnp.bfloat16)
         x = jax.random.normal(jax.random.fold_in(key, 1), (1, K), jnp.bfloat16)
-        rule = layers.gemv_splits(K, F)
+        rule = expert_gemv.splits(1, "float", K, F)
         variants = {"xla": lambda x, w: jnp.tensordot(x, w, axes=1),
                     "gemv": lambda x, w, s=rule: gemv(x, w, s)}  # fmt: skip
         for s in args.splits:

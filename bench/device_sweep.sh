@@ -52,6 +52,13 @@
 #   tiles-more (no GGUF, two GPUs): more grouped tile settings for gate/up at the verify (96
 #                assignments) and at batch 256 x 16 (24,576): stages, wider and deeper tiles
 #   prep    (carry .traincache/regen-all-turns, after the four copies): regen + assemble
+#   heads-moe (no GGUF, two GPUs): MLA's head GEMV in the Moonlight batch-1 loop (profiled
+#                with and without, HLO kept), the MoE layer alone profiled and timed; the
+#                grouped kernel's grid order and the layer's expert paths
+#   split-k (no GGUF, two GPUs): the expert GEMV with K split, the layer and the Moonlight
+#                decode loop profiled, the MoE layer and the Kimi-K2 slice timed
+#   layer-final (no GGUF, two GPUs): the MoE layer timed twice and profiled, the layer's
+#                expert paths; Moonlight full depth and the batch-1 loop profiled
 #   pair-grouped (no GGUF): grouped on GPU 0; on GPU 1 the Moonlight-shape steps with the
 #                grouped kernel in the layer, and the step cost fitted to them
 set -euo pipefail
@@ -267,6 +274,84 @@ tiles-more)  # two GPUs: the verify on GPU 0, batch 256 x 16 on GPU 1
     > "$OUT/tiles_large.log" &
   wait
   tail -n 12 "$OUT"/*.log
+  ;;
+heads-moe)  # two GPUs, no GGUF. GPU 0: the Moonlight batch-1 decode loop with MLA's head
+            # GEMV and without (and its optimised HLO, to name the profile's fusions), the
+            # MoE layer alone profiled at 1 x 16 and 256 x 16 and timed in bf16 and INT4.
+            # GPU 1: the grouped kernel's grid order and the layer's expert paths
+  (export CUDA_VISIBLE_DEVICES=0; G=$OUT/gpu0; mkdir -p "$G"
+   XLA_FLAGS="--xla_dump_to=$HOME/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode_loop.*" \
+     quiet timeout 240 python bench/profile_step.py --cases moonlight-16b-a3b:1:ar \
+     moonlight-16b-a3b:1:ar-xla-heads --context 512 --steps 32 --top 40 --out "$G/profile_ar.json"
+   (cd "$HOME/hlo" && ls -S *after_optimizations.txt | head -n 2 | xargs tar -czf "$G/hlo_decode_loop.tar.gz") || true
+   quiet timeout 120 python bench/profile_step.py --cases moonlight-16b-a3b:1:moe-16 \
+     moonlight-16b-a3b:256:moe-16 --steps 20 --top 30 --out "$G/profile_moe.json"
+   quiet timeout 150 python bench/roofline.py --models moonlight-16b-a3b --layers 4 --experts bf16 \
+     int4 --batches 1 --tokens 1 --moe-shapes 1x16 256x16 --repeats 7 --out "$G/moe_layer.json"
+  ) > "$OUT/gpu0.log" 2>&1 &
+  (export CUDA_VISIBLE_DEVICES=1; G=$OUT/gpu1; mkdir -p "$G"
+   quiet timeout 150 python bench/expert_gather.py --model moonlight-16b-a3b --assignments 96 \
+     1536 24576 --formats float int4 --variants grouped --iters 20 --out "$G/grouped_layer.json"
+   quiet timeout 120 python bench/expert_gather.py --model moonlight-16b-a3b --assignments 96 \
+     24576 --formats float --variants grouped --iters 20 --grouped-tiles 16,128,128,8,3 \
+     16,128,128,8,3,1 128,64,128,8,3 128,64,128,8,3,1 --out "$G/grid_order_float.json"
+   quiet timeout 120 python bench/expert_gather.py --model moonlight-16b-a3b --assignments 96 \
+     24576 --formats int4 --variants grouped --iters 20 --grouped-tiles 16,128,64,4,3 \
+     16,128,64,4,3,1 64,128,64,4,3 64,128,64,4,3,1 --out "$G/grid_order_int4.json"
+  ) > "$OUT/gpu1.log" 2>&1 &
+  wait
+  tar -czf "$OUT/results.tar.gz" -C "$OUT" gpu0 gpu1 && rm -r "$OUT/gpu0" "$OUT/gpu1"
+  tail -n 30 "$OUT"/*.log
+  ;;
+split-k)  # two GPUs, no GGUF. GPU 0: the decode loop and the MoE layer profiled, the MoE layer
+          # and the Kimi-K2 slice timed (queued calls). GPU 1: the expert GEMV with K split
+          # (same-run A/B by --tiles), the layer's expert paths, the grouped grid order again
+  (export CUDA_VISIBLE_DEVICES=0; G=$OUT/gpu0; mkdir -p "$G"
+   quiet timeout 150 python bench/profile_step.py --cases moonlight-16b-a3b:1:ar \
+     moonlight-16b-a3b:1:moe-16 moonlight-16b-a3b:256:moe-16 --context 512 --steps 32 --top 30 \
+     --out "$G/profile.json"
+   quiet timeout 150 python bench/roofline.py --models moonlight-16b-a3b --layers 4 --experts bf16 \
+     int4 --batches 1 --tokens 1 --moe-shapes 1x16 256x16 --repeats 20 --out "$G/moe_layer.json"
+   quiet timeout 120 python bench/roofline.py --models kimi-k2-slice --experts bf16 int4 \
+     --batches 1 --tokens 1 8 --moe-shapes 1x1 1x8 --repeats 20 --out "$G/roofline_kimi-slice.json"
+  ) > "$OUT/gpu0.log" 2>&1 &
+  (export CUDA_VISIBLE_DEVICES=1; G=$OUT/gpu1; mkdir -p "$G"
+   quiet timeout 150 python bench/expert_gather.py --model moonlight-16b-a3b --assignments 6 12 \
+     48 96 --formats float int4 fp8 --variants kernel grouped --iters 30 \
+     --tiles 128,64,4,3,1 128,64,4,3,2 128,64,4,3,4 --out "$G/gemv_split_moonlight.json"
+   quiet timeout 100 python bench/expert_gather.py --model kimi-k2-slice --assignments 8 64 \
+     --formats float int4 --variants kernel --iters 30 --out "$G/gemv_kimi.json"
+   quiet timeout 120 python bench/expert_gather.py --model moonlight-16b-a3b --assignments 96 \
+     24576 --formats float --variants grouped --iters 30 --grouped-tiles 16,128,128,8,3 \
+     16,128,128,8,3,1 128,64,128,8,3 128,64,128,8,3,1 --out "$G/grid_order_float.json"
+  ) > "$OUT/gpu1.log" 2>&1 &
+  wait
+  tar -czf "$OUT/results.tar.gz" -C "$OUT" gpu0 gpu1 && rm -r "$OUT/gpu0" "$OUT/gpu1"
+  tail -n 40 "$OUT"/*.log
+  ;;
+layer-final)  # two GPUs, no GGUF. GPU 0: the MoE layer timed twice (queued calls) and profiled
+              # at 256 x 16; the layer's expert paths. GPU 1: Moonlight full depth, and the
+              # batch-1 decode loop profiled again
+  (export CUDA_VISIBLE_DEVICES=0; G=$OUT/gpu0; mkdir -p "$G"
+   for run in a b; do
+     quiet timeout 100 python bench/roofline.py --models moonlight-16b-a3b --layers 4 --experts \
+       bf16 int4 --batches 1 --tokens 1 --moe-shapes 1x16 256x16 --repeats 20 \
+       --out "$G/moe_layer_$run.json"
+   done
+   quiet timeout 90 python bench/profile_step.py --cases moonlight-16b-a3b:256:moe-16 \
+     moonlight-16b-a3b:1:moe-16 --steps 20 --top 30 --out "$G/profile_moe.json"
+   quiet timeout 120 python bench/expert_gather.py --model moonlight-16b-a3b --assignments 96 \
+     24576 --formats float int4 --variants grouped --iters 30 --out "$G/grouped_layer.json"
+  ) > "$OUT/gpu0.log" 2>&1 &
+  (export CUDA_VISIBLE_DEVICES=1; G=$OUT/gpu1; mkdir -p "$G"
+   quiet timeout 330 python bench/roofline.py --models moonlight-16b-a3b --batches 1 16 256 \
+     --tokens 1 17 --max-tokens 4400 --repeats 5 --out "$G/roofline_moonlight-27L.json"
+   quiet timeout 150 python bench/profile_step.py --cases moonlight-16b-a3b:1:ar --context 512 \
+     --steps 32 --top 40 --out "$G/profile_ar.json"
+  ) > "$OUT/gpu1.log" 2>&1 &
+  wait
+  tar -czf "$OUT/results.tar.gz" -C "$OUT" gpu0 gpu1 && rm -r "$OUT/gpu0" "$OUT/gpu1"
+  tail -n 45 "$OUT"/*.log
   ;;
 train-2l)
   bench/train_smollm2_drafter.sh --config configs/train/smollm2-b16-2layer.yaml \

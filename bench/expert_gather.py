@@ -14,8 +14,10 @@ experts (kdj.models.deepseek.expert_swiglu_gathered, through ExpertWeight.matvec
 
 Each variant's output is also compared with ragged_dot's (rel_err: max abs difference / max
 abs value). With --tiles, the GEMV kernel alone on the gate/up matrix [E, D, 2I] for each
-setting "block_k,block_f,num_warps,num_stages" (block_k counts words for int4); with
---grouped-tiles, the grouped kernel alone, "block_m,block_k,block_f,num_warps,num_stages".
+setting "block_k,block_f,num_warps,num_stages" (block_k counts words for int4) and an optional
+fifth field, the K slices (expert_gemv's splits; default 1); with
+--grouped-tiles, the grouped kernel alone, "block_m,block_k,block_f,num_warps,num_stages" and
+an optional sixth field, cols_first (1: the grid launches the column tiles first).
 
     python bench/expert_gather.py --model moonlight-16b-a3b --assignments 6 96 \\
         --formats float int4 --out r.json
@@ -95,9 +97,10 @@ def main(argv=None) -> list:
     p.add_argument("--formats", nargs="+", default=["float"], choices=expert_gemv.FORMATS)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--tiles", nargs="*", default=[], help="kernel tile settings to sweep: "
-                   "block_k,block_f,num_warps,num_stages")  # fmt: skip
+                   "block_k,block_f,num_warps,num_stages[,splits]")  # fmt: skip
     p.add_argument("--grouped-tiles", nargs="*", default=[], help="grouped kernel tile "
-                   "settings to sweep: block_m,block_k,block_f,num_warps,num_stages")  # fmt: skip
+                   "settings to sweep: block_m,block_k,block_f,num_warps,num_stages"
+                   "[,cols_first]")  # fmt: skip
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out")
     args = p.parse_args(argv)
@@ -173,6 +176,10 @@ def case(experts, fmt: str, A: int, k: int, keys, args):
     for name, kernel, blocks, settings in sweeps:
         for tiles in settings:
             opts = dict(zip((*blocks, "num_warps", "num_stages"), map(int, tiles.split(","))))
+            if name == "grouped" and tiles.count(",") == 5:  # a sixth field: the grid order
+                opts["cols_first"] = bool(int(tiles.rsplit(",", 1)[1]))
+            if name == "gemv" and tiles.count(",") == 4:  # a fifth field: K slices
+                opts["splits"] = int(tiles.rsplit(",", 1)[1])
 
             def alone(x, i, v, s, kernel=kernel, opts=opts):
                 y = kernel(xs, (flat + i) % E, v, s, fmt, **opts)

@@ -13,7 +13,9 @@ jitted with the graphdef static and synced after every call (roofline.py's old t
 pay), to set against "ar"; "auto-first", the same loop but its first step drafts (no prior,
 as when the drafter's calibration promised a win), as real runs at small batch do;
 "ar-xla-dense", "ar" with every dense projection left to XLA's dot (kdj.models.layers.matmul's
-one-row Pallas GEMV switched off), to set against "ar". A case
+and head_matmul's one-row Pallas GEMVs switched off), to set against "ar"; "ar-xla-heads", only
+head_matmul's (MLA's absorbed projections) switched off; "moe-T", the first MoE layer of a
+2-layer slice alone on BATCH x T random tokens (roofline.py --moe-shapes' case). A case
 runs to compile, timed, then under jax.profiler.trace. Device events (GPU: kernels on the
 /device:GPU streams; CPU: XLA thunks on tf_XLA* threads) are summed by name and category, with
 busy time and kernels per step and the heaviest Python frames; JSON is saved after each case.
@@ -39,13 +41,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from roofline import CONFIGS, filled_cache, make_forward, model_config  # bench/
+from roofline import CONFIGS, build, filled_cache, make_forward, model_config, moe_forward  # bench/
 
 import kdj
 from kdj.cache import init_cache
 from kdj.decode import autoregressive as ar
 from kdj.decode import speculative
 from kdj.models import layers
+from kdj.models.deepseek import MoE
 from kdj.models.transformer import build_model
 
 CATEGORIES = (  # (category, pattern): first match on the lower-cased kernel name wins
@@ -236,12 +239,37 @@ def step_case(target, B, context, steps, rng, static: bool):
     return prepare, run
 
 
+def moe_case(name: str, B: int, T: int, steps: int, dtype):
+    """(prepare, run) of the first MoE layer of a 2-layer slice of config `name` alone on B * T
+    random tokens (what roofline.py --moe-shapes times), `steps` calls queued back to back."""
+    model, _ = build(name, 2, jnp.dtype(dtype))
+    moe = next(m for _, m in nnx.iter_modules(model) if isinstance(m, MoE))
+    forward = moe_forward(moe)
+    x = jax.random.normal(jax.random.key(B * 1000 + T), (B, T, model.cfg.hidden_size), dtype)
+
+    def run(_):
+        for _ in range(steps):
+            y = forward(x)
+        jax.block_until_ready(y)
+
+    return lambda: None, run
+
+
 def profile_case(spec: str, args, targets: dict, trace_root: Path) -> dict:
     name, batch, method = spec.rsplit(":", 2)
     B, steps, ctx = int(batch), args.steps, args.context
-    if method not in ("ar", "ar-xla-dense", "auto-skip", "auto-first", "step", "step-static"):
-        raise ValueError(f"{spec}: the method must be ar, ar-xla-dense, auto-skip, auto-first, "
-                         "step or step-static")  # fmt: skip
+    moe_tokens = re.fullmatch(r"moe-(\d+)", method)
+    if not moe_tokens and method not in (
+        "ar", "ar-xla-dense", "ar-xla-heads", "auto-skip", "auto-first", "step", "step-static"
+    ):  # fmt: skip
+        raise ValueError(f"{spec}: the method must be ar, ar-xla-dense, ar-xla-heads, "
+                         "auto-skip, auto-first, step, step-static or moe-T")  # fmt: skip
+    if moe_tokens:
+        targets.clear()
+        prepare, run = moe_case(name, B, int(moe_tokens[1]), steps, args.dtype)
+        return traced(spec, prepare, run, steps, trace_root) | {
+            "model": name, "batch": B, "method": method,
+        }  # fmt: skip
     if name not in targets:  # a config (random weights) or anything kdj.load_target takes
         targets.clear()  # one model in memory at a time
         if name.endswith((".yaml", ".yml")) or (CONFIGS / f"{name}.yaml").exists():
@@ -250,17 +278,20 @@ def profile_case(spec: str, args, targets: dict, trace_root: Path) -> dict:
         else:
             targets[name] = kdj.load_target(name, dtype=args.dtype)
     target, rng = targets[name], np.random.default_rng(B)
-    if method == "ar-xla-dense":  # traced afresh with the switch off, and back on afterwards
+    if method in ("ar-xla-dense", "ar-xla-heads"):  # traced afresh with switches off
         jax.clear_caches()
-        keep, layers.uses_gemv = layers.uses_gemv, lambda x, w: False
+        keep = layers.uses_gemv, layers.uses_head_gemv
+        layers.uses_head_gemv = lambda x, w: False
+        if method == "ar-xla-dense":
+            layers.uses_gemv = layers.uses_head_gemv
         try:
-            traces = trace_root / "xla-dense"  # its own folder: the "ar" case's may exist
+            traces = trace_root / method  # its own folder: the "ar" case's may exist
             return profile_case(f"{name}:{batch}:ar", args, targets, traces) | {
                 "case": spec,
                 "method": method,
             }
         finally:
-            layers.uses_gemv = keep
+            layers.uses_gemv, layers.uses_head_gemv = keep
             jax.clear_caches()
     if method == "ar":
         prepare, run = ar_case(target, B, ctx, steps, rng)
@@ -268,6 +299,13 @@ def profile_case(spec: str, args, targets: dict, trace_root: Path) -> dict:
         prepare, run = auto_skip_case(target, B, ctx, steps, rng, method == "auto-first")
     else:
         prepare, run = step_case(target, B, ctx, steps, rng, method == "step-static")
+    return traced(spec, prepare, run, steps, trace_root) | {
+        "model": name, "batch": B, "method": method, "context": ctx,
+    }  # fmt: skip
+
+
+def traced(spec: str, prepare, run, steps: int, trace_root: Path) -> dict:
+    """Run a case three times (compile, time, trace) and summarise its trace."""
     trace_dir, seconds = trace_root / re.sub(r"[^\w.-]+", "_", spec), []
     trace = jax.profiler.trace(str(trace_dir), create_perfetto_trace=True)
     for scope in (nullcontext(), nullcontext(), trace):  # compile, time, trace
@@ -277,9 +315,9 @@ def profile_case(spec: str, args, targets: dict, trace_root: Path) -> dict:
             run(pre)
             seconds.append(time.perf_counter() - t0)
     summary = summarise(read_events(trace_dir), seconds[2], steps)
-    return {"case": spec, "model": name, "batch": B, "method": method, "context": ctx,
-            "steps": steps, "compile_s": seconds[0], "wall_ms_per_step": seconds[1] * 1e3 / steps,
-            **summary, "trace_dir": str(trace_dir)}  # fmt: skip
+    return {"case": spec, "steps": steps, "compile_s": seconds[0],
+            "wall_ms_per_step": seconds[1] * 1e3 / steps, **summary,
+            "trace_dir": str(trace_dir)}  # fmt: skip
 
 
 def report(r: dict, top: int) -> None:

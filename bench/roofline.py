@@ -12,8 +12,12 @@ queued back to back, one sync at the end, as a decode loop runs them). Account p
   attention (scores and values over context + T).
 
 and report the achieved fraction of 4.3 TB/s (ANCHORS.md's practical HBM ceiling) and of a
-bf16 matmul rate measured in the same run. For MoE models the MoE layer is also timed alone
-(B x T tokens through one layer: routed experts touched at bandwidth, or at matmul rate).
+bf16 matmul rate measured in the same run (an 8192^3 matmul, its calls queued the same way).
+For MoE models the MoE layer is also timed alone (B x T tokens through one layer, its calls
+queued: routed experts touched at bandwidth, or at matmul rate). Until 2026-11-30 the layer
+and the matmul were timed one synchronised call at a time, the layer's GraphDef hashed per
+call: host time counted as the layer's, and the matmul rate came out low (BENCHMARKS.md,
+"The MoE layer timed as a step runs it").
 
     python bench/roofline.py --models kimi-k2-slice --experts bf16 int4 --out $OUT/roofline.json
 
@@ -59,7 +63,7 @@ def matmul_rate(n: int, repeats: int = 10) -> float:
     """bf16 FLOP/s of an n x n x n matmul through jax.jit, on random data."""
     a, b = (jax.random.normal(jax.random.key(i), (n, n), jnp.bfloat16) for i in (0, 1))
     f = jax.jit(lambda a, b: a @ b)
-    return 2 * n**3 / median_time(lambda: f(a, b), repeats)
+    return 2 * n**3 / chained_time(lambda: f(a, b), repeats)  # timed as the steps are
 
 
 def median_time(fn, repeats: int) -> float:
@@ -241,21 +245,30 @@ def time_step(model, cfg, B, T, context, repeats, mm_rate) -> dict:
 
 
 # ------------------------------------------------------------------------------ MoE alone
-@functools.partial(jax.jit, static_argnums=0)
-def moe_forward(graphdef, state, x):
-    return nnx.merge(graphdef, state)(x)
+def moe_forward(moe):
+    """forward(x) -> the MoE layer's output, jitted over the layer's flat parameter leaves
+    (as make_forward: no GraphDef hashed per call)."""
+    graphdef, state = nnx.split(moe)
+    leaves, treedef = jax.tree.flatten(state)
+
+    @jax.jit
+    def forward(leaves, x):
+        return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))(x)
+
+    return functools.partial(forward, leaves)
 
 
 def time_moe(model, cfg, B, T, repeats, mm_rate) -> dict:
     """One MoE layer on B*T random tokens: routed experts touched + shared + router bytes."""
     moe = next(m for _, m in nnx.iter_modules(model) if isinstance(m, MoE))
-    graphdef, state = nnx.split(moe)
+    state = nnx.state(moe)
     dtype = model.embed[...].dtype
     x = jax.random.normal(jax.random.key(B * 1000 + T), (B, T, cfg.hidden_size), dtype)
     bias = None if moe.bias is None else moe.bias[...]
     _, idx = jax.jit(route, static_argnums=3)(x.reshape(B * T, -1), moe.router[...], bias, cfg)
     touched = int(np.unique(np.asarray(idx)).size)
-    seconds = median_time(lambda: moe_forward(graphdef, state, x), repeats)
+    forward = moe_forward(moe)
+    seconds = chained_time(lambda: forward(x), repeats)  # calls queued, one sync
     held = sum(v.get_value().nbytes for p, v in nnx.to_flat_state(state) if p[-1] in EXPERT_PARAMS)
     other = sum(
         v.get_value().nbytes for p, v in nnx.to_flat_state(state) if p[-1] not in EXPERT_PARAMS

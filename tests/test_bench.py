@@ -96,16 +96,17 @@ def test_expert_gather_smoke(tmp_path):
     spec.loader.exec_module(bench)
     out = tmp_path / "eg.json"
     args = ["--model", str(cfg), "--assignments", "4", "--formats", "float", "int4",
-            "--tiles", "8,32,4,2", "--grouped-tiles", "32,128,32,4,2", "--iters", "1",
-            "--out", str(out)]  # fmt: skip
+            "--tiles", "8,32,4,2", "8,32,4,2,2", "--grouped-tiles", "32,128,32,4,2",
+            "32,128,32,4,2,1", "--iters", "1", "--out", str(out)]  # fmt: skip
     rows = bench.main(args)
     assert json.loads(out.read_text())["rows"] == rows
     assert all("error" not in r and r["us"] > 0 for r in rows), rows
     assert not any(r["gemv_kernel"] for r in rows)  # no GPU here
     by = {(r["format"], r["variant"]): r for r in rows}
     assert set(v for _, v in by) == {"kernel", "xla", "ragged", "grouped", "grouped-fused",
-                                     "gemv_gate_up[8,32,4,2]",
-                                     "grouped_gate_up[32,128,32,4,2]"}  # fmt: skip
+                                     "gemv_gate_up[8,32,4,2]", "gemv_gate_up[8,32,4,2,2]",
+                                     "grouped_gate_up[32,128,32,4,2]",
+                                     "grouped_gate_up[32,128,32,4,2,1]"}  # fmt: skip
     assert by["int4", "kernel"]["bytes"] < by["float", "kernel"]["bytes"] / 3
     # every layer variant computes what ragged_dot does (bf16 rounding apart)
     assert all(r["rel_err"] < 0.02 for r in rows if "[" not in r["variant"]), rows

@@ -93,6 +93,25 @@ def test_gemv_kernel_matches_the_xla_gather(fmt, K, F):
     want = expert_gemv.reference(x, ids, value, scale, fmt)
     assert got.shape == (n, F) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+    if scale is None or scale.shape[1] % 2 == 0:  # halves of whole scale groups / blocks
+        # K split in two (each half its own program row, partial sums added): the same sums
+        got = expert_gemv.expert_gemv(x, ids, value, scale, fmt, splits=2, interpret=True,
+                                      **tiles)  # fmt: skip
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+
+
+def test_gemv_k_split_rule():
+    """expert_gemv.splits: enough programs for few assignments, whole scale groups and blocks
+    per slice, slices of at least 256 inputs; many assignments are not split."""
+    s = expert_gemv.splits
+    assert s(6, "float", 2048, 2816) == 2 and s(6, "float", 1408, 2048) == 4  # Moonlight experts
+    assert s(8, "float", 7168, 4096) == 1 and s(64, "float", 2048, 2816) == 1  # enough already
+    assert s(1, "int4", 2048, 2816, (1, 64, 2816)) == 8  # 256 inputs = 8 groups of 32 per slice
+    assert s(1, "fp8", 384, 2048, (1, 3, 16)) == 1  # 3 blocks of 128: no whole halves
+    assert s(1, "float", 384, 2048) == 1  # halves of 192 inputs: too short
+    x, w = jnp.zeros((1, 66)), jnp.zeros((1, 66, 8))
+    with pytest.raises(ValueError, match="do not split into 4 K slices"):
+        expert_gemv.expert_gemv(x, jnp.zeros(1, jnp.int32), w, splits=4, interpret=True)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
@@ -130,8 +149,9 @@ def test_one_row_projections_take_the_gemv_split_over_k(monkeypatch):
     monkeypatch.setattr(jax, "device_count", lambda: 8)
     assert not layers.uses_gemv(one, jnp.zeros((2048, 3072)))  # a mesh: weights may be split
     monkeypatch.undo()
-    assert layers.gemv_splits(2048, 3072) == 8 and layers.gemv_splits(2048, 64 * 512) == 1
-    assert layers.gemv_splits(2816, 2048) == 8  # 352-row slices: ragged K tiles of 128
+    splits = functools.partial(expert_gemv.splits, 1, "float")
+    assert splits(2048, 3072) == 8 and splits(2048, 64 * 512) == 1
+    assert splits(2816, 2048) == 8  # 352-row slices: ragged K tiles of 128
     ran = []
     monkeypatch.setattr(layers, "uses_gemv", lambda x, w: ran.append(w.shape) or x.size == 704)
     rng = np.random.default_rng(5)
@@ -145,6 +165,37 @@ def test_one_row_projections_take_the_gemv_split_over_k(monkeypatch):
         want = mlp.down(jax.nn.silu(h[..., 0, :]) * h[..., 1, :])
         np.testing.assert_allclose(mlp(x), want, rtol=1e-4, atol=1e-3)
     assert (704, 2, 48) in ran and (704, 96) in ran
+
+
+def test_mla_head_projections_take_the_gemv_at_one_row(monkeypatch):
+    """layers.head_matmul, MLA's absorbed per-head projections: at one row per head on a lone
+    GPU the Pallas GEMV with the heads as experts (interpreted here, forced), the same numbers
+    as XLA's batched dot, at w_uk's and w_uv's shapes; more rows keep XLA's dot."""
+    from kdj.models import layers
+
+    rng = np.random.default_rng(9)
+    w_uk = jnp.asarray(rng.standard_normal((4, 128, 64)), jnp.float32)  # [H, nope, C]
+    w_uv = jnp.asarray(rng.standard_normal((4, 64, 32)), jnp.float32)  # [H, C, v]
+    one, many = jnp.zeros((1, 1, 4, 128)), jnp.zeros((2, 3, 4, 128))
+    assert not layers.uses_head_gemv(one, w_uk)  # CPU: XLA
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
+    assert layers.uses_head_gemv(one, w_uk) and not layers.uses_head_gemv(many, w_uk)
+    monkeypatch.undo()
+    ran = []
+    kernel = expert_gemv.expert_gemv
+    monkeypatch.setattr(layers, "uses_head_gemv", lambda x, w: x.size == w.shape[0] * w.shape[1])
+    monkeypatch.setattr(
+        expert_gemv, "expert_gemv", lambda *a, **k: ran.append(1) or kernel(*a, **k)
+    )
+    for w in (w_uk, w_uv):
+        for shape in ((1, 1), (2, 3)):
+            x = jnp.asarray(rng.standard_normal((*shape, 4, w.shape[1])), jnp.float32)
+            want = np.einsum("bthk,hkf->bthf", np.asarray(x, np.float64), np.asarray(w, np.float64))
+            got = layers.head_matmul(x, w)
+            assert got.shape == (*shape, 4, w.shape[2])
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-3)
+    assert len(ran) == 2  # the one-row calls, and only those
 
 
 def test_gemv_kernel_refuses_mismatched_weights():
@@ -215,13 +266,27 @@ def test_grouped_kernel_matches_the_dequantised_weights(fmt, n):
 
     wd = dequant_stacked(fmt, value[ids], None if scale is None else scale[ids], jnp.bfloat16)
     want = jnp.einsum("nk,nkf->nf", x.astype(jnp.float32), wd.astype(jnp.float32))
-    assert got.shape == (n, F)
+    assert got.shape == (n, F) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-3)
+    # the grid launched column tiles first: the same programs, so the same numbers; and a
+    # bf16 output is the float32 sums rounded once
+    flipped = expert_grouped.expert_grouped(x, ids, value, scale, fmt, interpret=True,
+                                            cols_first=True, out_dtype=jnp.bfloat16)  # fmt: skip
+    assert flipped.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(flipped), np.asarray(got.astype(jnp.bfloat16)))
 
 
 @pytest.mark.parametrize("fmt", ["float", "int4", "fp8"])
 @pytest.mark.parametrize(
-    "kernel, n", [("gemv", 24), ("grouped", 24), ("grouped", 300), ("grouped-swiglu", 300)]
+    "kernel, n",
+    [
+        ("gemv", 24),
+        ("gemv-split", 2),
+        ("grouped", 24),
+        ("grouped", 300),
+        ("grouped-swiglu", 300),
+        ("grouped-cols", 24),
+    ],
 )
 def test_expert_kernels_lower_to_triton_modules_that_verify(kernel, n, fmt, monkeypatch):
     """Lowered for CUDA on this CPU, each Triton module passes MLIR's verifier: what XLA
@@ -252,8 +317,12 @@ def test_expert_kernels_lower_to_triton_modules_that_verify(kernel, n, fmt, monk
         return expert_grouped.grouped_matmul(x, rows, be, v, s, fmt, swiglu=True,
                                              interpret=interpret, **t)  # fmt: skip
 
+    def cols_first(*args, **kw):  # the other grid order, bf16 out (the MoE layer's)
+        return expert_grouped.expert_grouped(*args, **kw, cols_first=True, out_dtype=x.dtype)
+
     fn = {"gemv": expert_gemv.expert_gemv, "grouped": expert_grouped.expert_grouped,
-          "grouped-swiglu": swiglu}[kernel]  # fmt: skip
+          "gemv-split": functools.partial(expert_gemv.expert_gemv, splits=2),
+          "grouped-swiglu": swiglu, "grouped-cols": cols_first}[kernel]  # fmt: skip
     run = jax.jit(lambda x, ids, v, s: fn(x, ids, v, s, fmt, interpret=False))
     run.trace(x, ids, value, scale).lower(lowering_platforms=("cuda",))
     assert verified

@@ -107,7 +107,7 @@ def hf_targets(name: str, x: np.ndarray, cfg: ModelConfig):
                 w = np.asarray(x).reshape(H, N + cfg.v_head_dim, cfg.kv_lora_rank)
                 return [
                     (pre + ("attn", "w_uk"), w[:, :N], ALL),
-                    (pre + ("attn", "w_uv"), w[:, N:], ALL),
+                    (pre + ("attn", "w_uv"), w[:, N:].transpose(0, 2, 1), ALL),  # [H, C, v]
                 ]
             if cfg.family == "deepseek" and proj in _MLA and kind == "weight":
                 return [(pre + ("attn", _MLA[proj], "kernel"), x.T, ALL)]

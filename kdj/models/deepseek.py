@@ -25,6 +25,7 @@ from kdj.models.layers import (
     RMSNorm,
     apply_rope,
     attend_latent,
+    head_matmul,
     param,
     rope_frequencies,
     softmax_scale,
@@ -37,8 +38,9 @@ class MLAAttention(nnx.Module):
     """Multi-head latent attention over a latent cache, always in the absorbed form.
 
     The cache holds [kv_a_layernorm(c_kv) ; rope(k_pe)] per token. kv_b_proj is split into
-    w_uk [H, nope, C] (folded into the query) and w_uv [H, v, C] (applied after attention),
-    so attention is MQA with one shared 576-wide key stream and the latent as the value.
+    w_uk [H, nope, C] (folded into the query) and w_uv [H, C, v] (applied after attention;
+    held with the contracted axis first, as head_matmul's GEMV reads it), so attention is MQA
+    with one shared 576-wide key stream and the latent as the value.
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs):
@@ -56,7 +58,7 @@ class MLAAttention(nnx.Module):
         self.kv_a = Linear(D, C + R, ("embed", "kv_lora"), dtype=dtype, rngs=rngs)
         self.kv_a_norm = RMSNorm(C, cfg.rms_norm_eps, dtype=dtype, axes=("kv_lora",))
         self.w_uk = param(rngs, (H, N, C), ("heads", "head_dim", "kv_lora"), dtype, C**-0.5)
-        self.w_uv = param(rngs, (H, V, C), ("heads", "head_dim", "kv_lora"), dtype, C**-0.5)
+        self.w_uv = param(rngs, (H, C, V), ("heads", "kv_lora", "head_dim"), dtype, C**-0.5)
         self.o = Linear(H * V, D, ("q_heads", "embed"), dtype=dtype, rngs=rngs)
         self.cfg = cfg
 
@@ -76,10 +78,10 @@ class MLAAttention(nnx.Module):
         k_pe = apply_rope(ckv[..., None, C:], positions, inv_freq, amp, interleaved=True)
         q_pe = apply_rope(q_pe, positions, inv_freq, amp, interleaved=True)
         k_cache = kvc.write(k_cache, jnp.concatenate([latent, k_pe], axis=-1), start)
-        q_lat = jnp.einsum("bthn,hnc->bthc", q_nope, self.w_uk[...])
+        q_lat = head_matmul(q_nope, self.w_uk[...])  # [B, T, H, C]
         q_full = jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1)  # [B, T, H, C + R]
         o_lat = attend_latent(q_full, k_cache, start, tree, softmax_scale(cfg), C)
-        out = jnp.einsum("bthc,hvc->bthv", o_lat, self.w_uv[...]).reshape(B, T, -1)
+        out = head_matmul(o_lat, self.w_uv[...]).reshape(B, T, -1)  # [B, T, H V]
         return self.o(out), k_cache, v_cache
 
 
@@ -161,7 +163,8 @@ class ExpertWeight:
         if not gemv_kernel(self):
             w = self.take(ids, x.dtype)
             return jnp.einsum("nd,nd...->n...", x, w, preferred_element_type=jnp.float32)
-        y = expert_gemv.expert_gemv(x, ids, *self.matrix(), self.fmt)
+        s = expert_gemv.splits(len(ids), *self.layout())  # K split when few assignments
+        y = expert_gemv.expert_gemv(x, ids, *self.matrix(), self.fmt, splits=s)
         return y.reshape(len(ids), *self.value.shape[2:])
 
     def matrix(self):
@@ -200,7 +203,7 @@ def touched_experts(flat, size: int):
     """Distinct experts of assignments flat [n] in a static-size list: (ids [size] ascending,
     padded with the largest id; slot [n]: each assignment's index into ids)."""
     ids = jnp.unique(flat, size=size, fill_value=flat.max())
-    return ids, jnp.searchsorted(ids, flat).astype(jnp.int32)
+    return ids, jnp.searchsorted(ids, flat, method="compare_all").astype(jnp.int32)
 
 
 def expert_swiglu(x, weights, idx, w_gate_up, w_down):
@@ -222,14 +225,12 @@ def expert_swiglu(x, weights, idx, w_gate_up, w_down):
         gu, down = wgu.dense(x.dtype), wd.dense(x.dtype)
     G, _, _, I = gu.shape
     order = jnp.argsort(flat, stable=True)
-    token = order // k
     group_sizes = jnp.bincount(flat, length=G).astype(jnp.int32)
-    xs = x[token]
+    xs = x[order // k]
     h = jax.lax.ragged_dot(xs, gu.reshape(G, D, 2 * I), group_sizes).reshape(-1, 2, I)
-    h = jax.nn.silu(h[:, 0]) * h[:, 1]
-    y = jax.lax.ragged_dot(h.astype(x.dtype), down, group_sizes)
-    y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
-    return jnp.zeros_like(x).at[token].add(y.astype(x.dtype))
+    y = jax.lax.ragged_dot(swiglu(h[:, 0], h[:, 1], x.dtype), down, group_sizes)  # by expert
+    y = jnp.zeros_like(y).at[order].set(y)  # back to assignment order (a permutation)
+    return combine(y.reshape(N, k, D), weights, x.dtype)
 
 
 def expert_swiglu_gathered(x, weights, idx, w_gate_up, w_down):
@@ -243,11 +244,25 @@ def expert_swiglu_gathered(x, weights, idx, w_gate_up, w_down):
     N, k = idx.shape
     flat = idx.reshape(-1)
     xs = jnp.repeat(x, k, axis=0)  # [N*k, D], assignment j belongs to token j // k
-    h = wgu.matvec(xs, flat)  # [N*k, 2, I] float32
-    h = jax.nn.silu(h[:, 0]) * h[:, 1]
-    y = wd.matvec(h.astype(x.dtype), flat)  # [N*k, D] float32
-    y = y.reshape(N, k, -1) * weights[..., None]
-    return y.sum(1).astype(x.dtype)
+    h = wgu.matvec(xs, flat).astype(x.dtype)  # [N*k, 2, I]
+    h = swiglu(h[:, 0], h[:, 1], x.dtype)
+    y = wd.matvec(h, flat).astype(x.dtype)  # [N*k, D]
+    return combine(y.reshape(N, k, -1), weights, x.dtype)
+
+
+def swiglu(gate, up, dtype):
+    """silu(gate) * up in float32, rounded to dtype: the activations between an expert's two
+    matmuls. Every expert path rounds the same way at the same places (each matmul's output
+    and these activations in the model's dtype, as HF's bf16 experts do), so a decode step and
+    a verify step, which take different kernels, differ only in their float32 sums' order."""
+    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
+    return (jax.nn.silu(gate) * up).astype(dtype)
+
+
+def combine(y, weights, dtype):
+    """The routed experts' output per token: y [N, k, D] (each expert's output, model dtype)
+    weighted by the combine weights [N, k] float32 and summed in float32. -> [N, D] dtype."""
+    return (y.astype(jnp.float32) * weights[..., None]).sum(1).astype(dtype)
 
 
 def expert_swiglu_grouped(x, weights, idx, w_gate_up, w_down, fused: bool = False):
@@ -276,14 +291,13 @@ def expert_swiglu_grouped(x, weights, idx, w_gate_up, w_down, fused: bool = Fals
     gu = (x, token, be, *wgu.matrix(), wgu.fmt)
     if fused:
         h = expert_grouped.grouped_matmul(*gu, swiglu=True, **t_gu)  # [P, I], x's dtype
-    else:
-        h = expert_grouped.grouped_matmul(*gu, **t_gu)  # [P, 2I] float32, gate columns first
-        h = (jax.nn.silu(h[:, :I]) * h[:, I:]).astype(x.dtype)
+    else:  # [P, 2I] in x's dtype, gate columns first
+        h = expert_grouped.grouped_matmul(*gu, out_dtype=x.dtype, **t_gu)
+        h = swiglu(h[:, :I], h[:, I:], x.dtype)
     same = jnp.where(rows >= 0, jnp.arange(rows.shape[0]), -1)
-    y = expert_grouped.grouped_matmul(h, same, be, *wd.matrix(), wd.fmt, **t_d)  # [P, D]
-    y = y[expert_grouped.positions(rows, flat.size)].reshape(N, k, D)
-    y = jnp.where((idx >= 0)[..., None], y * weights[..., None], 0.0)  # -1: no row, no term
-    return y.sum(1).astype(x.dtype)
+    y = expert_grouped.grouped_matmul(h, same, be, *wd.matrix(), wd.fmt, out_dtype=x.dtype, **t_d)
+    y = y[expert_grouped.positions(rows, flat.size)].reshape(N, k, D)  # [N, k, D]
+    return combine(jnp.where((idx >= 0)[..., None], y, 0), weights, x.dtype)  # -1: no term
 
 
 # Up to this many token-expert assignments per expert, gathering beats grouped GEMMs.

@@ -45,36 +45,29 @@ def zeros(shape, axes, dtype) -> nnx.Param:
 # Below 2M weights it is a few microseconds either way, and XLA fusing the matvec into its
 # neighbours counts for more; from 16M up XLA's dot runs at 2.7-4.2 TB/s and stays.
 GEMV_MIN_WEIGHTS, GEMV_MAX_WEIGHTS = 1 << 21, 1 << 24
-GEMV_PROGRAMS = 512  # ~4 per SM on an H200: K is split until the grid has this many programs
 
 
-def gemv_splits(K: int, F: int, block_f: int = 64) -> int:
-    """How many K slices the one-row GEMV takes for w [K, F]: a power of two that fills
-    GEMV_PROGRAMS programs of block_f columns, each slice >= 256 rows and dividing K."""
-    s = 1
-    while s * -(-F // block_f) < GEMV_PROGRAMS and K % (2 * s) == 0 and K // (2 * s) >= 256:
-        s *= 2
-    return s
+def lone_gpu() -> bool:
+    """Whether the Pallas GEMVs may run: on a GPU, alone (a pallas_call has no partitioning
+    rule, so sharded weights stay with XLA). Static."""
+    return jax.default_backend() == "gpu" and jax.device_count() == 1
 
 
 def uses_gemv(x, w) -> bool:
-    """Whether matmul(x, w) runs the Pallas GEMV: one row, a mid-sized matrix, on a lone GPU
-    (a pallas_call has no partitioning rule, so sharded weights stay with XLA). Static."""
+    """Whether matmul(x, w) runs the Pallas GEMV: one row, a mid-sized matrix, on a lone
+    GPU. Static."""
     return (
         math.prod(x.shape[:-1]) == 1
         and GEMV_MIN_WEIGHTS <= w.size < GEMV_MAX_WEIGHTS
-        and jax.default_backend() == "gpu"
-        and jax.device_count() == 1
+        and lone_gpu()
     )
 
 
-def split_k_gemv(x, w, s: int):
-    """One row x (K values) @ w [K, F] through the Pallas GEMV as s one-row "experts": slice j
-    of x meets rows j K/s .. (j + 1) K/s of w (s divides K). -> [F] float32."""
-    K, F = w.shape
-    y = expert_gemv.expert_gemv(x.reshape(s, K // s), jnp.arange(s, dtype=jnp.int32),
-                                w.reshape(s, K // s, F))  # fmt: skip
-    return y.sum(0)
+def uses_head_gemv(x, w) -> bool:
+    """Whether head_matmul(x, w) runs the Pallas GEMV: one row per head, on a lone GPU.
+    Static. No size floor: XLA's form of this matvec (a reduction over the middle axis of
+    w [H, K, F]) is no fusion win to keep."""
+    return math.prod(x.shape[:-2]) == 1 and lone_gpu()
 
 
 def matmul(x, w):
@@ -82,9 +75,21 @@ def matmul(x, w):
     if not uses_gemv(x, w):  # XLA's dot (w keeps its shape: a flattening could reshard it)
         return jnp.tensordot(x, w, axes=1)
     K, out = w.shape[0], w.shape[1:]
-    w2 = w.reshape(K, -1)
-    y = split_k_gemv(x, w2, gemv_splits(*w2.shape))
+    w2 = w.reshape(1, K, -1)  # one "expert"; its id a numpy constant (a traced one: a kernel)
+    s = expert_gemv.splits(1, "float", K, w2.shape[2])
+    y = expert_gemv.expert_gemv(x.reshape(1, K), np.zeros(1, np.int32), w2, splits=s)
     return y.astype(jnp.result_type(x, w)).reshape(*x.shape[:-1], *out)
+
+
+def head_matmul(x, w):
+    """Each head's own matmul: x [..., H, K] @ w [H, K, F] -> [..., H, F] in their result
+    dtype (float32 accumulation). MLA's absorbed projections (w_uk, w_uv) at batch-1 decode
+    run the Pallas GEMV with the heads as its "experts"; anything else XLA's batched dot."""
+    if not uses_head_gemv(x, w):
+        return jnp.einsum("...hk,hkf->...hf", x, w)
+    H, K, F = w.shape
+    y = expert_gemv.expert_gemv(x.reshape(H, K), np.arange(H, dtype=np.int32), w)  # [H, F]
+    return y.astype(jnp.result_type(x, w)).reshape(*x.shape[:-1], F)
 
 
 class Linear(nnx.Module):

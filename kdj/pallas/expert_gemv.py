@@ -46,12 +46,19 @@ def _load(ref, mask):
     return plgpu.load(ref, mask=mask, other=0) if mask is not None else plgpu.load(ref)
 
 
-def _kernel(ids_ref, x_ref, w_ref, *rest, fmt, K, F, bk, bf, block):
-    """One (assignment, column tile) program over float or FP8 weights [E, K, F]; block: the
-    FP8 scale block."""
+def _slice_of(ids_ref, i, splits: int):
+    """The expert matrix program row i reads: with K cut into `splits` slices (each expert's
+    weights reshaped [E * splits, K / splits, F]), row i is slice i % splits of assignment
+    i // splits."""
+    return ids_ref[i] if splits == 1 else ids_ref[i // splits] * splits + i % splits
+
+
+def _kernel(ids_ref, x_ref, w_ref, *rest, fmt, K, F, bk, bf, block, splits):
+    """One (assignment and K slice, column tile) program over float or FP8 weights [E, K, F]
+    (K: one slice's inputs); block: the FP8 scale block."""
     s_ref, o_ref = (None, rest[0]) if fmt == "float" else rest
     i, j = pl.program_id(0), pl.program_id(1)
-    e = ids_ref[i]
+    e = _slice_of(ids_ref, i, splits)
     f0 = j * bf
     cols = f0 + jnp.arange(bf)
     # Static: masks only where a tile can run past the matrix edge.
@@ -95,10 +102,11 @@ def deinterleave(x):
 
 
 def call(kernel, ins, *, grid, out_block, out_shape, num_warps, num_stages, interpret, name,
-         dtype=jnp.float32):  # fmt: skip
+         dtype=jnp.float32, transposed=False):  # fmt: skip
     """The Triton-flavoured pallas_call of the expert kernels: every input whole (the kernel
     indexes it), one output block per program, `dtype` out; interpret=None: interpreted
-    everywhere but on a GPU."""
+    everywhere but on a GPU. Program (i, j) writes output block (i, j), or (j, i) when
+    `transposed` (a grid whose first axis walks the output's columns)."""
     full = [pl.BlockSpec(a.shape, lambda i, j, d=a.ndim: (0,) * d) for a in ins]
     with warnings.catch_warnings():
         # jax 0.11 deprecates the Triton lowering (see tree_attention.py's docstring)
@@ -107,7 +115,9 @@ def call(kernel, ins, *, grid, out_block, out_shape, num_warps, num_stages, inte
             kernel,
             grid=grid,
             in_specs=full,
-            out_specs=pl.BlockSpec(out_block, lambda i, j: (i, j)),
+            out_specs=pl.BlockSpec(
+                out_block, (lambda i, j: (j, i)) if transposed else (lambda i, j: (i, j))
+            ),
             out_shape=jax.ShapeDtypeStruct(out_shape, dtype),
             compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
             interpret=jax.default_backend() != "gpu" if interpret is None else interpret,
@@ -115,14 +125,14 @@ def call(kernel, ins, *, grid, out_block, out_shape, num_warps, num_stages, inte
         )(*ins)
 
 
-def _int4_kernel(ids_ref, x_ref, w_ref, s_ref, o_ref, *, words, wpg, bk, F, bf):
+def _int4_kernel(ids_ref, x_ref, w_ref, s_ref, o_ref, *, words, wpg, bk, F, bf, splits):
     """One (assignment, column tile) program over INT4 words [E, words, F]: a scale group is
     wpg words (8 wpg inputs) sharing scale row s[e, g, :]; a tile is bk words (bk / wpg whole
     groups) x bf columns. The tile's scale rows are one contiguous [bk / wpg, bf] load,
     repeated to the tile's rows in registers (a gather of one scale per word would cost as
     many load instructions as the weights)."""
     i, j = pl.program_id(0), pl.program_id(1)
-    e = ids_ref[i]
+    e = _slice_of(ids_ref, i, splits)
     f0 = j * bf
     cols = f0 + jnp.arange(bf)
     G = bk // wpg
@@ -165,13 +175,35 @@ def supported(fmt: str, K: int, F: int, scale_shape=None) -> bool:
     return fmt == "float"
 
 
-def expert_gemv(x, ids, value, scale=None, fmt: str = "float", *, interpret: bool | None = None,
-                block_k: int | None = None, block_f: int | None = None,
-                num_warps: int | None = None, num_stages: int | None = None):  # fmt: skip
+# Programs a GEMV grid should have to keep an H200 busy (~4 per SM): with fewer assignments
+# x column tiles than this, K is split into slices that run as programs of their own.
+PROGRAMS = 512
+
+
+def splits(n: int, fmt: str, K: int, F: int, scale_shape=None) -> int:
+    """How many K slices `expert_gemv` takes for n assignments of [K, F] matrices in fmt: a
+    power of two that fills PROGRAMS programs, each slice >= 256 inputs and whole scale
+    groups (INT4) or blocks (FP8). One row of Moonlight's q_proj [2048, 3072]: 8 (12.8 us
+    against 24.6 for XLA's dot, BENCHMARKS.md "Dense projections")."""
+    unit = 1 if fmt == "float" else K // scale_shape[1]  # inputs per scale group / block
+    tiles = n * -(-F // (32 if fmt == "int4" else 64))  # the default column tiles below
+    s = 1
+    while s * tiles < PROGRAMS and K % (2 * s * unit) == 0 and K // (2 * s) >= 256:
+        s *= 2
+    return s
+
+
+def expert_gemv(x, ids, value, scale=None, fmt: str = "float", *, splits: int = 1,
+                interpret: bool | None = None, block_k: int | None = None,
+                block_f: int | None = None, num_warps: int | None = None,
+                num_stages: int | None = None):  # fmt: skip
     """y[i] = x[i] @ W[ids[i]] (see the module docstring). x [n, K]; ids [n] int32; value,
     scale: an expert matrix as stored, 3-D [E, K(/8), F]. Returns [n, F] float32. Tiles default
     to what measured best on the H200 (bench/expert_gather.py): block_k counts rows of
     `value`, i.e. inputs for float/FP8 and 8-input words for INT4 (whole scale groups).
+    splits: K cut into this many slices (`splits` picks it), each slice of each assignment a
+    program row of its own, the slices' float32 partial sums added at the end: a handful of
+    assignments then still fills the GPU. The slices are free reshapes of the stored arrays.
     interpret: run the kernel in Pallas' interpreter (default: everywhere but on a GPU)."""
     if fmt not in FORMATS:
         raise ValueError(f"expert format must be one of {FORMATS}, not {fmt!r}")
@@ -181,6 +213,14 @@ def expert_gemv(x, ids, value, scale=None, fmt: str = "float", *, interpret: boo
         raise ValueError(f"{fmt} expert weights {value.shape} (scale "
                          f"{None if scale is None else scale.shape}) are a layout this kernel "
                          "does not take (expert_gemv.supported)")  # fmt: skip
+    if splits > 1:
+        whole = [rows] + ([] if scale is None else [scale.shape[1]])
+        if K % splits or any(r % splits for r in whole):
+            raise ValueError(f"{fmt} weights {value.shape} do not split into {splits} K slices")
+        value = value.reshape(E * splits, rows // splits, F)
+        if scale is not None:
+            scale = scale.reshape(E * splits, scale.shape[1] // splits, *scale.shape[2:])
+        x, n, K, rows = x.reshape(n * splits, K // splits), n * splits, K // splits, rows // splits
     block = 0
     bf = block_f or 64
     if fmt == "int4":
@@ -189,7 +229,8 @@ def expert_gemv(x, ids, value, scale=None, fmt: str = "float", *, interpret: boo
         wpg = rows // scale.shape[1]  # words per scale group (group 32: 4)
         bk = max(wpg, (block_k or 128) // wpg * wpg)  # words, whole groups
         bf = block_f or 32
-        kernel = functools.partial(_int4_kernel, words=rows, wpg=wpg, bk=bk, F=F, bf=bf)
+        kernel = functools.partial(_int4_kernel, words=rows, wpg=wpg, bk=bk, F=F, bf=bf,
+                                   splits=splits)  # fmt: skip
         xin = deinterleave(x)
     else:
         if rows != K:
@@ -198,14 +239,15 @@ def expert_gemv(x, ids, value, scale=None, fmt: str = "float", *, interpret: boo
         if fmt == "fp8":
             block = K // scale.shape[1]
             bk, bf = min(bk, block), min(bf, block)
-        kernel = functools.partial(_kernel, fmt=fmt, K=K, F=F, bk=bk, bf=bf, block=block)
+        kernel = functools.partial(_kernel, fmt=fmt, K=K, F=F, bk=bk, bf=bf, block=block,
+                                   splits=splits)  # fmt: skip
         xin = x
     nf = pl.cdiv(F, bf)
     ins = [ids.astype(jnp.int32), xin, value] + ([] if fmt == "float" else [scale])
     y = call(kernel, ins, grid=(n, nf), out_block=(None, bf), out_shape=(n, nf * bf),
              num_warps=num_warps or 4, num_stages=num_stages or 3, interpret=interpret,
              name=f"expert_gemv_{fmt}")  # fmt: skip
-    return y[:, :F]
+    return y[:, :F].reshape(-1, splits, F).sum(1) if splits > 1 else y[:, :F]
 
 
 def reference(x, ids, value, scale=None, fmt: str = "float"):
