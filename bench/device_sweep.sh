@@ -59,6 +59,8 @@
 #                decode loop profiled, the MoE layer and the Kimi-K2 slice timed
 #   layer-final (no GGUF, two GPUs): the MoE layer timed twice and profiled, the layer's
 #                expert paths; Moonlight full depth and the batch-1 loop profiled
+#   spread (no GGUF, two GPUs): the MoE layer rows three times per GPU, the layer profiled,
+#                the routed experts alone, the INT4 GEMV's parts (bench/int4_gemv_parts.py)
 #   pair-grouped (no GGUF): grouped on GPU 0; on GPU 1 the Moonlight-shape steps with the
 #                grouped kernel in the layer, and the step cost fitted to them
 set -euo pipefail
@@ -352,6 +354,30 @@ layer-final)  # two GPUs, no GGUF. GPU 0: the MoE layer timed twice (queued call
   wait
   tar -czf "$OUT/results.tar.gz" -C "$OUT" gpu0 gpu1 && rm -r "$OUT/gpu0" "$OUT/gpu1"
   tail -n 45 "$OUT"/*.log
+  ;;
+spread)  # two GPUs, no GGUF: the MoE layer rows (1 x 16, 256 x 16) three times on each GPU, the
+         # layer profiled at 256 x 16, the routed experts alone; the INT4 GEMV's parts (GPU 1)
+  for gpu in 0 1; do
+    (export CUDA_VISIBLE_DEVICES=$gpu; G=$OUT/gpu$gpu; mkdir -p "$G"
+     for run in a b c; do
+       quiet timeout 80 python bench/roofline.py --models moonlight-16b-a3b --layers 2 --experts \
+         bf16 --batches 1 --tokens 1 --moe-shapes 1x16 256x16 --repeats 20 \
+         --out "$G/moe_layer_$run.json"
+     done
+     if [ "$gpu" = 0 ]; then
+       quiet timeout 90 python bench/profile_step.py --cases moonlight-16b-a3b:256:moe-16 \
+         --steps 20 --top 30 --out "$G/profile_moe.json"
+       quiet timeout 100 python bench/expert_gather.py --model moonlight-16b-a3b --assignments \
+         96 24576 --formats float --variants grouped --iters 30 --out "$G/grouped_layer.json"
+     else
+       quiet timeout 150 python bench/int4_gemv_parts.py --model kimi-k2-slice --assignments 8 \
+         --tiles 128,32,4 64,64,4 --iters 30 --out "$G/int4_gemv_parts.json"
+     fi
+    ) > "$OUT/gpu$gpu.log" 2>&1 &
+  done
+  wait
+  tar -czf "$OUT/results.tar.gz" -C "$OUT" gpu0 gpu1 && rm -r "$OUT/gpu0" "$OUT/gpu1"
+  tail -n 30 "$OUT"/*.log
   ;;
 train-2l)
   bench/train_smollm2_drafter.sh --config configs/train/smollm2-b16-2layer.yaml \

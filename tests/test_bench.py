@@ -140,3 +140,29 @@ def test_dense_gemv_smoke(tmp_path):
     }
     assert all("error" not in r and r["us"] > 0 and r["rel_err"] < 0.02 for r in rows), rows
     assert {r["variant"] for r in rows if r["matrix"] == "mlp_down"} == {"xla", "gemv", "gemv/2"}
+
+
+def test_int4_gemv_parts_smoke(tmp_path):
+    """bench/int4_gemv_parts.py on a tiny MoE (interpreted): the kernel and the group-3d form
+    give the reference's numbers; the diagnostics (work taken out) run and are marked
+    inexact, and really are (a test that they measure less work, not the same)."""
+    import importlib.util
+    from pathlib import Path
+
+    cfg = tmp_path / "tiny-moe.yaml"  # K = 256 inputs: 32 words, 8 scale groups of 4 words
+    cfg.write_text(TINY_MOE.replace("hidden_size: 64", "hidden_size: 256"))
+    path = Path(__file__).resolve().parent.parent / "bench" / "int4_gemv_parts.py"
+    sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location("int4_gemv_parts", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "parts.json"
+    rows = bench.main(["--model", str(cfg), "--assignments", "3", "--tiles", "16,32,4",
+                       "--iters", "1", "--out", str(out)])  # fmt: skip
+    assert json.loads(out.read_text())["rows"] == rows
+    by = {r["variant"]: r for r in rows}
+    assert set(by) == {"kernel", "no-scale", "one-plane", "group-3d"}
+    assert all("error" not in r and r["us"] > 0 for r in rows), rows
+    assert by["kernel"]["rel_err"] < 1e-5 and by["group-3d"]["rel_err"] < 1e-5
+    assert by["one-plane"]["rel_err"] > 0.1 and by["no-scale"]["rel_err"] > 0.1
+    assert [r["exact"] for r in rows] == [True, False, False, True]
