@@ -9,8 +9,6 @@ times, per matrix [K, F] of the model (random bf16 weights):
     xla      jnp.tensordot(x, w): what XLA makes of a one-row dot
     gemv     layers.matmul's kernel path, with its split
     gemv/s   the kernel with s K slices (--splits), to check the split rule
-    rows     the grouped kernel with the row in a 16-row block (tensor-core dots; the split
-             rule kept to whole 128-input K tiles): layers.ROWS_ON_TENSOR_CORES
 
 Reported: us per call (a jitted loop of --iters calls, the input changing every call), and
 TB/s on the matrix's bytes.
@@ -68,15 +66,6 @@ def gemv(x, w, s: int):
     return y.astype(x.dtype)
 
 
-def tensor_core_rows(x, w):
-    """layers.few_rows_matmul with bf16 rows on the tensor cores (ROWS_ON_TENSOR_CORES)."""
-    keep, layers.ROWS_ON_TENSOR_CORES = layers.ROWS_ON_TENSOR_CORES, True
-    try:
-        return layers.few_rows_matmul(x, np.zeros(1, np.int32), w[None]).astype(x.dtype)
-    finally:
-        layers.ROWS_ON_TENSOR_CORES = keep
-
-
 def seconds_per_call(fn, x, w, iters: int) -> float:
     """fn(x [1, K], w) -> [1, F], chained `iters` times in one jitted loop."""
 
@@ -110,8 +99,7 @@ def main(argv=None) -> list:
         x = jax.random.normal(jax.random.fold_in(key, 1), (1, K), jnp.bfloat16)
         rule = expert_gemv.splits(1, "float", K, F)
         variants = {"xla": lambda x, w: jnp.tensordot(x, w, axes=1),
-                    "gemv": lambda x, w, s=rule: gemv(x, w, s),
-                    "rows": tensor_core_rows}  # fmt: skip
+                    "gemv": lambda x, w, s=rule: gemv(x, w, s)}  # fmt: skip
         for s in args.splits:
             if s != rule:  # a split that does not divide K is a row saying so
                 variants[f"gemv/{s}"] = lambda x, w, s=s: gemv(x, w, s)

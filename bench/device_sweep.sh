@@ -61,8 +61,6 @@
 #                expert paths; Moonlight full depth and the batch-1 loop profiled
 #   spread (no GGUF, two GPUs): the MoE layer rows three times per GPU, the layer profiled,
 #                the routed experts alone, the INT4 GEMV's parts (bench/int4_gemv_parts.py)
-#   rows (no GGUF, two GPUs): bf16 rows on the tensor cores against the GEMV: the experts,
-#                the dense matrices, the Moonlight batch-1 loop
 #   pair-grouped (no GGUF): grouped on GPU 0; on GPU 1 the Moonlight-shape steps with the
 #                grouped kernel in the layer, and the step cost fitted to them
 set -euo pipefail
@@ -380,27 +378,6 @@ spread)  # two GPUs, no GGUF: the MoE layer rows (1 x 16, 256 x 16) three times 
   wait
   tar -czf "$OUT/results.tar.gz" -C "$OUT" gpu0 gpu1 && rm -r "$OUT/gpu0" "$OUT/gpu1"
   tail -n 30 "$OUT"/*.log
-  ;;
-rows)  # two GPUs, no GGUF: bf16 rows on the tensor cores (expert_grouped.rows_matmul) against
-       # the GEMV. GPU 0: one layer's experts and gate/up alone (Moonlight, Kimi-K2), the dense
-       # matrices. GPU 1: the Moonlight batch-1 decode loop with and without
-  (export CUDA_VISIBLE_DEVICES=0; G=$OUT/gpu0; mkdir -p "$G"
-   quiet timeout 150 python bench/expert_gather.py --model moonlight-16b-a3b --assignments 6 12 \
-     48 --formats float --variants kernel rows --iters 30 --tiles 128,64,4,3,1 128,64,4,3,2 \
-     --rows-tiles 64,4,3,1 64,4,3,2 64,4,4,2 64,4,3,4 128,4,3,1 128,8,3,1 \
-     --out "$G/rows_moonlight.json"
-   quiet timeout 100 python bench/expert_gather.py --model kimi-k2-slice --assignments 8 64 \
-     --formats float --variants kernel rows --iters 30 --out "$G/rows_kimi.json"
-   quiet timeout 100 python bench/dense_gemv.py --model moonlight-16b-a3b --splits 1 16 \
-     --out "$G/dense_rows.json"
-  ) > "$OUT/gpu0.log" 2>&1 &
-  (export CUDA_VISIBLE_DEVICES=1; G=$OUT/gpu1; mkdir -p "$G"
-   quiet timeout 240 python bench/profile_step.py --cases moonlight-16b-a3b:1:ar \
-     moonlight-16b-a3b:1:ar-rows --context 512 --steps 32 --top 20 --out "$G/profile_rows.json"
-  ) > "$OUT/gpu1.log" 2>&1 &
-  wait
-  tar -czf "$OUT/results.tar.gz" -C "$OUT" gpu0 gpu1 && rm -r "$OUT/gpu0" "$OUT/gpu1"
-  tail -n 60 "$OUT"/*.log
   ;;
 train-2l)
   bench/train_smollm2_drafter.sh --config configs/train/smollm2-b16-2layer.yaml \

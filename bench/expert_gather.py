@@ -5,8 +5,6 @@ A decode step at small batch routes each token to k experts, and kdj reads only 
 experts (kdj.models.deepseek.expert_swiglu_gathered, through ExpertWeight.matvec). Variants:
 
     kernel   the Pallas gathered GEMV (kdj/pallas/expert_gemv.py; what a GPU runs)
-    rows     bf16 rows on the tensor cores instead: the grouped kernel, one row per block
-             (expert_grouped.rows_matmul; layers.ROWS_ON_TENSOR_CORES)
     xla      the same layer with the kernel switched off: XLA gathers (and dequantises) the
              experts, then one matvec each (the CPU path and the kernel's reference)
     ragged   jax.lax.ragged_dot over all experts (XLA's grouped GEMM: the CPU path)
@@ -45,7 +43,7 @@ import numpy as np
 from roofline import model_config  # bench/ is the script directory
 
 from kdj.checkpoints.quant import quant_fp8_stacked, quant_int4_stacked
-from kdj.models import deepseek, layers
+from kdj.models import deepseek
 from kdj.models.deepseek import (
     ExpertWeight,
     expert_swiglu,
@@ -65,19 +63,7 @@ def xla_gathered(*args):
         deepseek.gemv_kernel = keep
 
 
-def rows_gathered(*args):
-    """expert_swiglu_gathered with bf16 rows on the tensor cores (layers.ROWS_ON_TENSOR_CORES:
-    the grouped kernel, one row per block) instead of the GEMV (traced only in here)."""
-    keep = layers.ROWS_ON_TENSOR_CORES
-    layers.ROWS_ON_TENSOR_CORES = True
-    try:
-        return expert_swiglu_gathered(*args)
-    finally:
-        layers.ROWS_ON_TENSOR_CORES = keep
-
-
-VARIANTS = {"kernel": expert_swiglu_gathered, "rows": rows_gathered, "xla": xla_gathered,
-            "ragged": expert_swiglu,
+VARIANTS = {"kernel": expert_swiglu_gathered, "xla": xla_gathered, "ragged": expert_swiglu,
             "grouped": expert_swiglu_grouped,
             "grouped-fused": functools.partial(expert_swiglu_grouped, fused=True)}  # fmt: skip
 
@@ -115,8 +101,6 @@ def main(argv=None) -> list:
     p.add_argument("--grouped-tiles", nargs="*", default=[], help="grouped kernel tile "
                    "settings to sweep: block_m,block_k,block_f,num_warps,num_stages"
                    "[,cols_first]")  # fmt: skip
-    p.add_argument("--rows-tiles", nargs="*", default=[], help="rows_matmul settings to sweep "
-                   "(bf16 only): block_f,num_warps,num_stages,splits")  # fmt: skip
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out")
     args = p.parse_args(argv)
@@ -187,7 +171,6 @@ def case(experts, fmt: str, A: int, k: int, keys, args):
     value, scale = wgu.matrix()
     xs, flat = jnp.repeat(x, k, axis=0), idx.reshape(-1)
     sweeps = [("gemv", expert_gemv.expert_gemv, ("block_k", "block_f"), args.tiles),
-              ("rows", expert_grouped.rows_matmul, ("block_f",), args.rows_tiles),
               ("grouped", expert_grouped.expert_grouped, ("block_m", "block_k", "block_f"),
                args.grouped_tiles)]  # fmt: skip
     for name, kernel, blocks, settings in sweeps:
@@ -196,8 +179,6 @@ def case(experts, fmt: str, A: int, k: int, keys, args):
             if name == "grouped" and tiles.count(",") == 5:  # a sixth field: the grid order
                 opts["cols_first"] = bool(int(tiles.rsplit(",", 1)[1]))
             if name == "gemv" and tiles.count(",") == 4:  # a fifth field: K slices
-                opts["splits"] = int(tiles.rsplit(",", 1)[1])
-            if name == "rows":  # block_f,num_warps,num_stages,splits
                 opts["splits"] = int(tiles.rsplit(",", 1)[1])
 
             def alone(x, i, v, s, kernel=kernel, opts=opts):

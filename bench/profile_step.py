@@ -14,9 +14,7 @@ pay), to set against "ar"; "auto-first", the same loop but its first step drafts
 as when the drafter's calibration promised a win), as real runs at small batch do;
 "ar-xla-dense", "ar" with every dense projection left to XLA's dot (kdj.models.layers.matmul's
 and head_matmul's one-row Pallas GEMVs switched off), to set against "ar"; "ar-xla-heads", only
-head_matmul's (MLA's absorbed projections) switched off; "ar-rows", "ar" with
-layers.ROWS_ON_TENSOR_CORES flipped (bf16 rows of the one-row matmuls on the tensor cores, or
-back on the GEMV); "moe-T", the first MoE layer of a
+head_matmul's (MLA's absorbed projections) switched off; "moe-T", the first MoE layer of a
 2-layer slice alone on BATCH x T random tokens (roofline.py --moe-shapes' case). A case
 runs to compile, timed, then under jax.profiler.trace. Device events (GPU: kernels on the
 /device:GPU streams; CPU: XLA thunks on tf_XLA* threads) are summed by name and category, with
@@ -261,10 +259,11 @@ def profile_case(spec: str, args, targets: dict, trace_root: Path) -> dict:
     name, batch, method = spec.rsplit(":", 2)
     B, steps, ctx = int(batch), args.steps, args.context
     moe_tokens = re.fullmatch(r"moe-(\d+)", method)
-    methods = ("ar", "ar-xla-dense", "ar-xla-heads", "ar-rows", "auto-skip", "auto-first",
-               "step", "step-static")  # fmt: skip
-    if not moe_tokens and method not in methods:
-        raise ValueError(f"{spec}: the method must be one of {methods} or moe-T")
+    if not moe_tokens and method not in (
+        "ar", "ar-xla-dense", "ar-xla-heads", "auto-skip", "auto-first", "step", "step-static"
+    ):  # fmt: skip
+        raise ValueError(f"{spec}: the method must be ar, ar-xla-dense, ar-xla-heads, "
+                         "auto-skip, auto-first, step, step-static or moe-T")  # fmt: skip
     if moe_tokens:
         targets.clear()
         prepare, run = moe_case(name, B, int(moe_tokens[1]), steps, args.dtype)
@@ -279,13 +278,10 @@ def profile_case(spec: str, args, targets: dict, trace_root: Path) -> dict:
         else:
             targets[name] = kdj.load_target(name, dtype=args.dtype)
     target, rng = targets[name], np.random.default_rng(B)
-    if method in ("ar-xla-dense", "ar-xla-heads", "ar-rows"):  # traced afresh, switched
+    if method in ("ar-xla-dense", "ar-xla-heads"):  # traced afresh with switches off
         jax.clear_caches()
-        keep = layers.uses_gemv, layers.uses_head_gemv, layers.ROWS_ON_TENSOR_CORES
-        if method == "ar-rows":
-            layers.ROWS_ON_TENSOR_CORES = not keep[2]
-        else:
-            layers.uses_head_gemv = lambda x, w: False
+        keep = layers.uses_gemv, layers.uses_head_gemv
+        layers.uses_head_gemv = lambda x, w: False
         if method == "ar-xla-dense":
             layers.uses_gemv = layers.uses_head_gemv
         try:
@@ -295,7 +291,7 @@ def profile_case(spec: str, args, targets: dict, trace_root: Path) -> dict:
                 "method": method,
             }
         finally:
-            layers.uses_gemv, layers.uses_head_gemv, layers.ROWS_ON_TENSOR_CORES = keep
+            layers.uses_gemv, layers.uses_head_gemv = keep
             jax.clear_caches()
     if method == "ar":
         prepare, run = ar_case(target, B, ctx, steps, rng)

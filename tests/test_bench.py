@@ -97,15 +97,13 @@ def test_expert_gather_smoke(tmp_path):
     out = tmp_path / "eg.json"
     args = ["--model", str(cfg), "--assignments", "4", "--formats", "float", "int4",
             "--tiles", "8,32,4,2", "8,32,4,2,2", "--grouped-tiles", "32,128,32,4,2",
-            "32,128,32,4,2,1", "--rows-tiles", "32,4,2,1", "--iters", "1",
-            "--out", str(out)]  # fmt: skip
+            "32,128,32,4,2,1", "--iters", "1", "--out", str(out)]  # fmt: skip
     rows = bench.main(args)
     assert json.loads(out.read_text())["rows"] == rows
     assert all("error" not in r and r["us"] > 0 for r in rows), rows
     assert not any(r["gemv_kernel"] for r in rows)  # no GPU here
     by = {(r["format"], r["variant"]): r for r in rows}
-    assert set(v for _, v in by) == {"kernel", "rows", "xla", "ragged", "grouped", "grouped-fused",
-                                     "rows_gate_up[32,4,2,1]",
+    assert set(v for _, v in by) == {"kernel", "xla", "ragged", "grouped", "grouped-fused",
                                      "gemv_gate_up[8,32,4,2]", "gemv_gate_up[8,32,4,2,2]",
                                      "grouped_gate_up[32,128,32,4,2]",
                                      "grouped_gate_up[32,128,32,4,2,1]"}  # fmt: skip
@@ -141,12 +139,7 @@ def test_dense_gemv_smoke(tmp_path):
         "lm_head",
     }
     assert all("error" not in r and r["us"] > 0 and r["rel_err"] < 0.02 for r in rows), rows
-    assert {r["variant"] for r in rows if r["matrix"] == "mlp_down"} == {
-        "xla",
-        "gemv",
-        "gemv/2",
-        "rows",
-    }
+    assert {r["variant"] for r in rows if r["matrix"] == "mlp_down"} == {"xla", "gemv", "gemv/2"}
 
 
 def test_int4_gemv_parts_smoke(tmp_path):

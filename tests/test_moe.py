@@ -100,39 +100,6 @@ def test_gemv_kernel_matches_the_xla_gather(fmt, K, F):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("splits", [1, 2])
-def test_rows_on_tensor_cores_match_the_gemv(splits, monkeypatch):
-    """expert_grouped.rows_matmul (interpreted): each row in a 16-row block of its own, the
-    same products as the GEMV's reference, K split or not, ids traced or numpy; and
-    layers.few_rows_matmul takes it for bf16 rows when ROWS_ON_TENSOR_CORES is on."""
-    from kdj.models import layers
-
-    rng = np.random.default_rng(splits)
-    E, K, F = 5, 256, 192
-    w = jnp.asarray(rng.standard_normal((E, K, F)) * 0.1, jnp.bfloat16)
-    x = jnp.asarray(rng.standard_normal((4, K)), jnp.bfloat16)
-    ids = jnp.asarray([0, 3, 3, 4], jnp.int32)
-    want = np.asarray(expert_gemv.reference(x, ids, w))
-    got = expert_grouped.rows_matmul(x, ids, w, splits=splits, block_f=64, interpret=True)
-    assert got.shape == (4, F) and got.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
-    one = expert_grouped.rows_matmul(x[:1], np.zeros(1, np.int32), w[2:3], splits=splits,
-                                     block_f=64, interpret=True)  # fmt: skip
-    np.testing.assert_allclose(np.asarray(one), np.asarray(x[:1] @ w[2]), rtol=1e-2, atol=1e-2)
-    ran = []
-    kernel = expert_grouped.rows_matmul
-    monkeypatch.setattr(
-        expert_grouped, "rows_matmul", lambda *a, **k: ran.append(1) or kernel(*a, **k)
-    )
-    monkeypatch.setattr(layers, "ROWS_ON_TENSOR_CORES", True)
-    got = layers.few_rows_matmul(x, ids, w)  # interpreted off a GPU
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
-    assert ran == [1]
-    v, sc = quantised(w, "int4")  # quantised weights keep the GEMV
-    layers.few_rows_matmul(x, ids, v, sc, "int4")
-    assert ran == [1]
-
-
 def test_gemv_k_split_rule():
     """expert_gemv.splits: enough programs for few assignments, whole scale groups and blocks
     per slice, slices of at least 256 inputs; many assignments are not split."""
@@ -320,7 +287,6 @@ def test_grouped_kernel_matches_the_dequantised_weights(fmt, n):
         ("grouped", 300),
         ("grouped-swiglu", 300),
         ("grouped-cols", 24),
-        ("rows", 3),
     ],
 )
 def test_expert_kernels_lower_to_triton_modules_that_verify(kernel, n, fmt, monkeypatch):
@@ -357,8 +323,7 @@ def test_expert_kernels_lower_to_triton_modules_that_verify(kernel, n, fmt, monk
 
     fn = {"gemv": expert_gemv.expert_gemv, "grouped": expert_grouped.expert_grouped,
           "gemv-split": functools.partial(expert_gemv.expert_gemv, splits=2),
-          "grouped-swiglu": swiglu, "grouped-cols": cols_first,
-          "rows": functools.partial(expert_grouped.rows_matmul, splits=2)}[kernel]  # fmt: skip
+          "grouped-swiglu": swiglu, "grouped-cols": cols_first}[kernel]  # fmt: skip
     run = jax.jit(lambda x, ids, v, s: fn(x, ids, v, s, fmt, interpret=False))
     run.trace(x, ids, value, scale).lower(lowering_platforms=("cuda",))
     assert verified

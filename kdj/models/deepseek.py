@@ -25,7 +25,6 @@ from kdj.models.layers import (
     RMSNorm,
     apply_rope,
     attend_latent,
-    few_rows_matmul,
     head_matmul,
     param,
     rope_frequencies,
@@ -164,7 +163,8 @@ class ExpertWeight:
         if not gemv_kernel(self):
             w = self.take(ids, x.dtype)
             return jnp.einsum("nd,nd...->n...", x, w, preferred_element_type=jnp.float32)
-        y = few_rows_matmul(x, ids, *self.matrix(), self.fmt)
+        s = expert_gemv.splits(len(ids), *self.layout())  # K split when few assignments
+        y = expert_gemv.expert_gemv(x, ids, *self.matrix(), self.fmt, splits=s)
         return y.reshape(len(ids), *self.value.shape[2:])
 
     def matrix(self):

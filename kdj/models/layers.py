@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from kdj.config import ModelConfig
-from kdj.pallas import expert_gemv, expert_grouped, tree_attention
+from kdj.pallas import expert_gemv, tree_attention
 
 NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax rather than NaN
 
@@ -63,26 +63,6 @@ def uses_gemv(x, w) -> bool:
     )
 
 
-# Which Pallas kernel runs a handful of rows (batch-1 decode), each through one matrix:
-# the GEMV (FMA loop) or, for bf16 weights, the grouped kernel with one row per 16-row block
-# (tensor-core dots, whose weight loads Triton pipelines).
-ROWS_ON_TENSOR_CORES = False
-
-
-def few_rows_matmul(x, ids, value, scale=None, fmt: str = "float"):
-    """y[i] = x[i] @ W[ids[i]]: x [n, K] for a handful of rows, ids [n] int32 (a numpy array
-    stays a constant), value/scale an [E, K(/8), F] matrix as stored. -> [n, F] float32. K is
-    split (expert_gemv.splits) when the rows alone would not fill the GPU."""
-    n, K = x.shape
-    s = expert_gemv.splits(n, fmt, K, value.shape[2], None if scale is None else scale.shape)
-    if ROWS_ON_TENSOR_CORES and fmt == "float":
-        while s > 1 and (K // s) % 128:  # whole 128-input K tiles per slice
-            s //= 2
-        if expert_grouped.supported(fmt, K // s, value.shape[2]):
-            return expert_grouped.rows_matmul(x, ids, value, splits=s, block_f=64)
-    return expert_gemv.expert_gemv(x, ids, value, scale, fmt, splits=s)
-
-
 def uses_head_gemv(x, w) -> bool:
     """Whether head_matmul(x, w) runs the Pallas GEMV: one row per head, on a lone GPU.
     Static. No size floor: XLA's form of this matvec (a reduction over the middle axis of
@@ -96,7 +76,8 @@ def matmul(x, w):
         return jnp.tensordot(x, w, axes=1)
     K, out = w.shape[0], w.shape[1:]
     w2 = w.reshape(1, K, -1)  # one "expert"; its id a numpy constant (a traced one: a kernel)
-    y = few_rows_matmul(x.reshape(1, K), np.zeros(1, np.int32), w2)
+    s = expert_gemv.splits(1, "float", K, w2.shape[2])
+    y = expert_gemv.expert_gemv(x.reshape(1, K), np.zeros(1, np.int32), w2, splits=s)
     return y.astype(jnp.result_type(x, w)).reshape(*x.shape[:-1], *out)
 
 
@@ -107,7 +88,7 @@ def head_matmul(x, w):
     if not uses_head_gemv(x, w):
         return jnp.einsum("...hk,hkf->...hf", x, w)
     H, K, F = w.shape
-    y = few_rows_matmul(x.reshape(H, K), np.arange(H, dtype=np.int32), w)  # [H, F]
+    y = expert_gemv.expert_gemv(x.reshape(H, K), np.arange(H, dtype=np.int32), w)  # [H, F]
     return y.astype(jnp.result_type(x, w)).reshape(*x.shape[:-1], F)
 
 

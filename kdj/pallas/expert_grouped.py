@@ -31,7 +31,6 @@ from __future__ import annotations
 import functools
 
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -230,34 +229,6 @@ def grouped_matmul(x, rows, block_expert, value, scale=None, fmt: str = "float",
     return y[:, :width]
 
 
-def rows_matmul(x, ids, value, scale=None, fmt: str = "float", *, splits: int = 1,
-                block_f: int = 128, num_warps: int = 4, num_stages: int = 3,
-                interpret: bool | None = None):  # fmt: skip
-    """y[i] = x[i] @ W[ids[i]] for a handful of rows, each in a row block of its own: the
-    tensor-core form of expert_gemv.expert_gemv (same contract, [n, F] float32), with no sort
-    (block i is row i; 15 of its 16 rows are padding). The K loop feeds a dot, so Triton
-    pipelines its weight loads, which the GEMV's FMA loop does not get. splits: K cut into
-    that many slices, each a block of its own, the partial sums added (as the GEMV's)."""
-    n, K = x.shape
-    E, rows_w, F = value.shape
-    if splits > 1:
-        if K % splits or rows_w % splits or (scale is not None and scale.shape[1] % splits):
-            raise ValueError(f"{fmt} weights {value.shape} do not split into {splits} K slices")
-        value = value.reshape(E * splits, rows_w // splits, F)
-        if scale is not None:
-            scale = scale.reshape(E * splits, scale.shape[1] // splits, *scale.shape[2:])
-        ids = (ids[:, None] * splits + np.arange(splits)).reshape(-1)  # numpy in, numpy out
-        x = x.reshape(n * splits, K // splits)
-    m = x.shape[0]
-    bm = 16  # the smallest tensor-core tile
-    rows = np.where(np.arange(m * bm) % bm == 0, np.arange(m * bm) // bm, -1).astype(np.int32)
-    ids = ids.astype(np.int32)
-    y = grouped_matmul(x, rows, ids, value, scale, fmt, block_m=bm, block_k=128, block_f=block_f,
-                       num_warps=num_warps, num_stages=num_stages, interpret=interpret)  # fmt: skip
-    y = y[::bm]  # [m, F]: each block's first row
-    return y.reshape(n, splits, F).sum(1) if splits > 1 else y
-
-
 def positions(rows, n: int):
     """The padded row of each of n assignments (rows [P]: the assignment in each padded row,
     -1 for padding): [n] int32, to take results back to assignment order."""
@@ -289,7 +260,6 @@ __all__ = [
     "expert_grouped",
     "grouped_matmul",
     "positions",
-    "rows_matmul",
     "supported",
     "tile_k",
     "tiles",
