@@ -61,6 +61,7 @@
 #                expert paths; Moonlight full depth and the batch-1 loop profiled
 #   spread (no GGUF, two GPUs): the MoE layer rows three times per GPU, the layer profiled,
 #                the routed experts alone, the INT4 GEMV's parts (bench/int4_gemv_parts.py)
+#   tokamax (carry .tokamax_whl; one GPU): tokamax's ragged_dot against the grouped kernel
 #   pair-grouped (no GGUF): grouped on GPU 0; on GPU 1 the Moonlight-shape steps with the
 #                grouped kernel in the layer, and the step cost fitted to them
 set -euo pipefail
@@ -378,6 +379,18 @@ spread)  # two GPUs, no GGUF: the MoE layer rows (1 x 16, 256 x 16) three times 
   wait
   tar -czf "$OUT/results.tar.gz" -C "$OUT" gpu0 gpu1 && rm -r "$OUT/gpu0" "$OUT/gpu1"
   tail -n 30 "$OUT"/*.log
+  ;;
+tokamax)  # (carry .tokamax_whl: `pip download --no-deps` of tokamax 0.0.12 and its deps)
+          # tokamax into $HOME/tk, then its ragged_dot against kdj's grouped kernel and XLA's
+  TK=$HOME/tk; mkdir -p "$TK"
+  pip install -q --no-index --no-deps --target "$TK" .tokamax_whl/{tokamax,einshape,jaxtyping,wadler_lindig,qwix,typeguard,immutabledict,tensorboardx}-*.whl
+  for m in pydantic:pydantic pydantic_core:pydantic_core annotated_types:annotated_types \
+           typing_inspection:typing_inspection google.protobuf:protobuf absl:absl_py tqdm:tqdm; do
+    python -c "import ${m%%:*}" 2>/dev/null || pip install -q --no-index --no-deps --target "$TK" .tokamax_whl/${m##*:}-*.whl
+  done
+  PYTHONPATH=$TK:$PYTHONPATH python -c "import tokamax, jax; print('tokamax', tokamax.__file__, 'jax', jax.__version__)" || true
+  PYTHONPATH=$TK:$PYTHONPATH quiet timeout 400 python bench/tokamax_ragged.py --model moonlight-16b-a3b \
+    --assignments 96 1536 6144 24576 --iters 20 --out "$OUT/tokamax_ragged.json"
   ;;
 train-2l)
   bench/train_smollm2_drafter.sh --config configs/train/smollm2-b16-2layer.yaml \

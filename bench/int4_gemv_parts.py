@@ -9,6 +9,9 @@ scales. Variants, all on the same words, tiles and grid:
     no-scale   the same loop without the group scales (wrong results)
     one-plane  only nibble 0 of each word decoded and multiplied: 1/8 of the ALU work on the
                same bytes (wrong results); what the load pattern alone reaches
+    prefetch   correct: the kernel's loop with the next tile's words loaded one iteration
+               ahead (carried in registers), so the loads run under the decode of the tile
+               before them; Triton does not pipeline loads that feed no dot
     group-3d   correct: words viewed [E, K/g, g/8, F] so a tile holds whole scale groups
                along an axis of its own; the products are summed per group, then scaled
                once per group (no [groups, g/8, bf] -> [words, bf] reshape of the scales)
@@ -38,7 +41,7 @@ from roofline import model_config  # bench/ is the script directory
 from kdj.checkpoints.quant import quant_int4_stacked
 from kdj.pallas import expert_gemv
 
-VARIANTS = ("kernel", "no-scale", "one-plane", "group-3d")
+VARIANTS = ("kernel", "no-scale", "one-plane", "prefetch", "group-3d")
 
 
 def _flat_kernel(ids_ref, x_ref, w_ref, s_ref, o_ref, *, words, wpg, bk, bf, variant):
@@ -46,8 +49,15 @@ def _flat_kernel(ids_ref, x_ref, w_ref, s_ref, o_ref, *, words, wpg, bk, bf, var
     i = pl.program_id(0)
     e, f0, G = ids_ref[i], pl.program_id(1) * bf, bk // wpg
 
-    def body(t, acc):
-        w = plgpu.load(w_ref.at[e, pl.ds(t * bk, bk), pl.ds(f0, bf)]).astype(jnp.int32)
+    def words_at(t):
+        return plgpu.load(w_ref.at[e, pl.ds(t * bk, bk), pl.ds(f0, bf)]).astype(jnp.int32)
+
+    def body(t, carry):
+        if variant == "prefetch":  # this tile's words came in the carry; fetch the next
+            acc, w = carry
+            nxt = words_at(jnp.minimum(t + 1, words // bk - 1))
+        else:
+            acc, w = carry, words_at(t)
         part = jnp.zeros((bk, bf), jnp.float32)
         for n in range(1 if variant == "one-plane" else 8):
             xn = plgpu.load(x_ref.at[i * 8 + n, pl.ds(t * bk, bk)]).astype(jnp.float32)
@@ -55,10 +65,13 @@ def _flat_kernel(ids_ref, x_ref, w_ref, s_ref, o_ref, *, words, wpg, bk, bf, var
         if variant == "no-scale":
             return acc + part
         scale = plgpu.load(s_ref.at[e, pl.ds(t * G, G), pl.ds(f0, bf)]).astype(jnp.float32)
-        return acc + part * jnp.broadcast_to(scale[:, None, :], (G, wpg, bf)).reshape(bk, bf)
+        acc = acc + part * jnp.broadcast_to(scale[:, None, :], (G, wpg, bf)).reshape(bk, bf)
+        return (acc, nxt) if variant == "prefetch" else acc
 
-    acc = lax.fori_loop(0, words // bk, body, jnp.zeros((bk, bf), jnp.float32))
-    o_ref[...] = acc.sum(axis=0)
+    zero = jnp.zeros((bk, bf), jnp.float32)
+    init = (zero, words_at(0)) if variant == "prefetch" else zero
+    acc = lax.fori_loop(0, words // bk, body, init)
+    o_ref[...] = (acc[0] if variant == "prefetch" else acc).sum(axis=0)
 
 
 def _group_kernel(ids_ref, x_ref, w_ref, s_ref, o_ref, *, words, wpg, bk, bf, variant):
@@ -138,7 +151,7 @@ def main(argv=None) -> list:
             for variant in args.variants:
                 run = functools.partial(gemv, variant, block_k=bk, block_f=bf, num_warps=warps)
                 row = {"assignments": A, "variant": variant, "tiles": tiles, "bytes": nbytes,
-                       "exact": variant in ("kernel", "group-3d")}  # fmt: skip
+                       "exact": variant in ("kernel", "prefetch", "group-3d")}  # fmt: skip
                 try:
                     sec = seconds_per_call(run, x, ids, value, scale, E, args.iters)
                     err = jnp.abs(run(x, ids, value, scale) - ref).max() / jnp.abs(ref).max()
