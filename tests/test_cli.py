@@ -39,6 +39,19 @@ def test_convert_roundtrip(tmp_path, capsys):
     np.testing.assert_array_equal(kdj.forward(a, ids), kdj.forward(b, ids))
     with pytest.raises(FileExistsError):
         main(["convert", str(src), str(tmp_path / "orbax")])
+    # a checkpoint from before MLA's w_uv layout change is refused, not loaded transposed
+    import json
+
+    meta_path = tmp_path / "orbax" / "kdj_config.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["format"] == 2
+    del meta["format"]
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="older kdj .* w_uv"):
+        kdj.load_target(tmp_path / "orbax", dtype="float32")
+    meta_path.write_text(json.dumps(meta | {"format": 3}))
+    with pytest.raises(ValueError, match="format 3"):
+        kdj.load_target(tmp_path / "orbax", dtype="float32")
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,9 @@ from kdj.models.transformer import abstract_model
 from kdj.sharding import named_sharding, single_device_rules
 
 CONFIG_NAME = "kdj_config.json"
+# Bumped when a parameter's stored layout changes. 2: MLA's w_uv is held [H, C, v] (it was
+# [H, v, C]; 2026-11-30), so an older DeepSeek-family checkpoint would load transposed.
+FORMAT = 2
 
 
 def is_orbax_dir(path: Path) -> bool:
@@ -34,7 +37,7 @@ def save(model, path: str | Path) -> Path:
     state = nnx.state(model, nnx.Param)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path / "params", state)
-    meta = {"config": model.cfg.to_dict(), "dtype": str(model.embed[...].dtype)}
+    meta = {"config": model.cfg.to_dict(), "dtype": str(model.embed[...].dtype), "format": FORMAT}
     (path / CONFIG_NAME).write_text(json.dumps(meta, indent=2))
     return path
 
@@ -48,6 +51,13 @@ def restore(path: str | Path, dtype=None, mesh=None, rules=None):
         raise ValueError(f"corrupt {path / CONFIG_NAME}: {e}") from None
     if not (path / "params").exists():
         raise FileNotFoundError(f"{path} has no params/ checkpoint")
+    if meta.get("format", 1) < 2 and cfg.family == "deepseek":
+        raise ValueError(f"{path} was converted by an older kdj that held MLA's w_uv as "
+                         "[heads, v_head_dim, kv_lora_rank]; convert the source checkpoint "
+                         "again with `kdj convert`")  # fmt: skip
+    if meta.get("format", 1) > FORMAT:
+        raise ValueError(f"{path} is checkpoint format {meta['format']}; this kdj reads up "
+                         f"to {FORMAT}")  # fmt: skip
     dtype = jnp.dtype(dtype or meta["dtype"])
     rules = rules or single_device_rules()
     graphdef, abstract = nnx.split(abstract_model(cfg, dtype))
