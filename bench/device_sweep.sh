@@ -62,6 +62,7 @@
 #   spread (no GGUF, two GPUs): the MoE layer rows three times per GPU, the layer profiled,
 #                the routed experts alone, the INT4 GEMV's parts (bench/int4_gemv_parts.py)
 #   tokamax (carry .tokamax_whl; one GPU): tokamax's ragged_dot against the grouped kernel
+#   multi (no GGUF, two GPUs): bench/multi_gpu.py's three meshes on a 4-layer Moonlight slice
 #   pair-grouped (no GGUF): grouped on GPU 0; on GPU 1 the Moonlight-shape steps with the
 #                grouped kernel in the layer, and the step cost fitted to them
 set -euo pipefail
@@ -391,6 +392,11 @@ tokamax)  # (carry .tokamax_whl: `pip download --no-deps` of tokamax 0.0.12 and 
   PYTHONPATH=$TK:$PYTHONPATH python -c "import tokamax, jax; print('tokamax', tokamax.__file__, 'jax', jax.__version__)" || true
   PYTHONPATH=$TK:$PYTHONPATH quiet timeout 400 python bench/tokamax_ragged.py --model moonlight-16b-a3b \
     --assignments 96 1536 6144 24576 --iters 20 --out "$OUT/tokamax_ragged.json"
+  ;;
+multi)  # two GPUs, no GGUF: bench/multi_gpu.py's meshes (tp=2, ep=2, data 2 x expert 1) on a
+        # 4-layer Moonlight slice, AR / DFlash / DDTree at batches 1 and 16
+  NCCL_NVLS_ENABLE=0 quiet timeout 520 python bench/multi_gpu.py --model moonlight-16b-a3b \
+    --layers 4 --drafter-layers 1 --batches 1 16 --new 32 --repeats 3 --out "$OUT/multi_gpu.json"
   ;;
 train-2l)
   bench/train_smollm2_drafter.sh --config configs/train/smollm2-b16-2layer.yaml \

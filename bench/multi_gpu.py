@@ -27,7 +27,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from roofline import median_time  # bench/ is the script directory
+from roofline import chained_time  # bench/ is the script directory
 
 import kdj
 from kdj.config import ModelConfig, load_yaml
@@ -92,9 +92,11 @@ def layer_split(target, B: int, T: int, repeats: int) -> dict:
         return nnx.merge(gd, st).mlp(x)
 
     v0 = cache.v[moe_i] if cache.v else None
+    # calls queued, one sync (as roofline.py times steps): a synchronised call each time
+    # counted ~0.5 ms of host time per call on the H200 (BENCHMARKS.md, "Multi-GPU meshes")
     return {
-        "attention_s": median_time(lambda: attn(st, x, cache.k[moe_i], v0), repeats),
-        "moe_or_mlp_s": median_time(lambda: mlp(st, x), repeats),
+        "attention_s": chained_time(lambda: attn(st, x, cache.k[moe_i], v0), repeats),
+        "moe_or_mlp_s": chained_time(lambda: mlp(st, x), repeats),
         "layer": moe_i,
     }
 

@@ -287,6 +287,17 @@ def test_default_target_layer_ids_formula():
     assert default_target_layer_ids(30, 1) == (15,)
 
 
+def test_drafter_config_refuses_repeated_taps():
+    """A 4-layer target has no 5 distinct taps at the default spacing ((1, 1, 1, 1, 1): the
+    target would return one feature for fc's five). Found running bench/multi_gpu.py on a
+    4-layer slice, where it failed inside the prefill with a shape error."""
+    lc = kdj.load_target("smollm2-135m-instruct", dtype="float32").cfg
+    kw = dict(layers=lc, block_size=4, mask_token_id=0, num_target_layers=4)
+    with pytest.raises(ValueError, match="repeat a layer"):
+        DrafterConfig(**kw, target_layer_ids=default_target_layer_ids(4, 5))
+    assert DrafterConfig(**kw, target_layer_ids=(2,)).num_features == 1
+
+
 @pytest.mark.parametrize("spec", [{"method": "dflash"}, {"method": "ddtree", "tree_budget": 16}])
 def test_trained_smollm2_drafter_is_lossless(spec):
     """The real pair: SmolLM2 with kdj's trained drafter (kdj/assets), greedy == AR."""

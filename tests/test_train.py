@@ -280,7 +280,8 @@ def test_init_from_an_exported_drafter(target, tmp_path):
 @pytest.mark.parametrize(
     "change, field",
     [
-        (dict(num_layers=3), "num_layers: 2 in the checkpoint, 3 configured"),
+        # (3 layers need their own taps: the default spacing on this 3-layer target repeats one)
+        (dict(num_layers=3, target_layer_ids=[0, 1, 2]), "num_layers: 2 in the checkpoint, 3"),
         (dict(block_size=8), "block_size: 4 in the checkpoint, 8 configured"),
         (dict(target_layer_ids=[0, 2]), "target_layer_ids"),
         (dict(intermediate_size=40), "intermediate_size: 48 in the checkpoint, 40"),

@@ -46,6 +46,16 @@ class DrafterConfig:
     layer_types: tuple[str, ...] = ()  # "full_attention" | "sliding_attention" per layer
     sliding_window: int | None = None
 
+    def __post_init__(self):
+        # The target taps each layer once: a repeated id would give fewer features than fc
+        # takes. (Whether the ids exist in the target is checked when a pair is formed,
+        # kdj.api: the target may not be the one this config was made for.)
+        ids, L = tuple(self.target_layer_ids), self.num_target_layers
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"target_layer_ids {ids} repeat a layer (a {L}-layer target is too "
+                             "shallow for this many distinct taps at the default spacing: "
+                             "give target_layer_ids, or fewer drafter layers)")  # fmt: skip
+
     @property
     def num_features(self) -> int:
         return len(self.target_layer_ids)
