@@ -105,9 +105,12 @@ def drafter_config(cfg: ModelConfig) -> DrafterConfig:
     lc = cfg.replace(family="llama", model_type="qwen3", num_layers=n, num_heads=H,
                      num_kv_heads=KVH, head_dim=hd, intermediate_size=ffn, qk_norm=True,
                      qkv_bias=False, o_bias=False, tie_word_embeddings=False)  # fmt: skip
+    L = cfg.num_layers
+    # the published taps; a target too shallow for n distinct ones (a test's tiny config)
+    # taps each of its layers that the formula reaches, once
+    ids = tuple(sorted({min(max(i, 0), L - 1) for i in default_target_layer_ids(L, n)}))
     return DrafterConfig(layers=lc, block_size=block, mask_token_id=cfg.vocab_size - 1,
-                         target_layer_ids=default_target_layer_ids(cfg.num_layers, n),
-                         num_target_layers=cfg.num_layers)  # fmt: skip
+                         target_layer_ids=ids, num_target_layers=L)  # fmt: skip
 
 
 def drafter_params(dcfg: DrafterConfig) -> int:
