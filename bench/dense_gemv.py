@@ -27,7 +27,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from roofline import model_config  # bench/ is the script directory
+from roofline import looped_time, model_config  # bench/ is the script directory
 
 from kdj.config import ModelConfig
 from kdj.models import layers
@@ -68,18 +68,8 @@ def gemv(x, w, s: int):
 
 def seconds_per_call(fn, x, w, iters: int) -> float:
     """fn(x [1, K], w) -> [1, F], chained `iters` times in one jitted loop."""
-
-    @jax.jit
-    def loop(x, w):
-        def body(i, x):
-            return x + 1e-3 * fn(x, w).mean().astype(x.dtype)
-
-        return jax.lax.fori_loop(0, iters, body, x)
-
-    jax.block_until_ready(loop(x, w))  # compile + warm
-    t0 = time.perf_counter()
-    jax.block_until_ready(loop(x, w))
-    return (time.perf_counter() - t0) / iters
+    body = lambda i, x, w: x + 1e-3 * fn(x, w).mean().astype(x.dtype)  # noqa: E731
+    return looped_time(body, x, iters, w)
 
 
 def main(argv=None) -> list:

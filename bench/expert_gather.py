@@ -40,7 +40,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from roofline import model_config  # bench/ is the script directory
+from roofline import looped_time, model_config  # bench/ is the script directory
 
 from kdj.checkpoints.quant import quant_fp8_stacked, quant_int4_stacked
 from kdj.models import deepseek
@@ -76,18 +76,8 @@ def stored_bytes(w: ExpertWeight, experts: int) -> int:
 
 def seconds_per_call(fn, x, iters: int, *operands) -> float:
     """fn(x, ids_shift, *operands) -> like x, chained `iters` times in one jitted loop."""
-
-    @jax.jit
-    def loop(x, *operands):
-        def body(i, x):
-            return x + 1e-3 * fn(x, i, *operands).astype(x.dtype)
-
-        return jax.lax.fori_loop(0, iters, body, x)
-
-    jax.block_until_ready(loop(x, *operands))  # compile + warm
-    t0 = time.perf_counter()
-    jax.block_until_ready(loop(x, *operands))
-    return (time.perf_counter() - t0) / iters
+    body = lambda i, x, *ops: x + 1e-3 * fn(x, i, *ops).astype(x.dtype)  # noqa: E731
+    return looped_time(body, x, iters, *operands)
 
 
 def main(argv=None) -> list:

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from roofline import model_config  # bench/ is the script directory
+from roofline import looped_time, model_config  # bench/ is the script directory
 
 from kdj.checkpoints.quant import quant_int4_stacked
 from kdj.pallas import expert_gemv
@@ -168,18 +168,9 @@ def main(argv=None) -> list:
 def seconds_per_call(run, x, ids, value, scale, E: int, iters: int) -> float:
     """run(x, ids, value, scale) chained `iters` times in one jitted loop, the ids shifted
     every call (loop-invariant ids would let XLA hoist work out of the loop)."""
-
-    @jax.jit
-    def loop(x, value, scale):
-        def body(i, acc):
-            return acc + run(x, (ids + i) % E, value, scale)
-
-        return lax.fori_loop(0, iters, body, jnp.zeros((x.shape[0], value.shape[2]), jnp.float32))
-
-    jax.block_until_ready(loop(x, value, scale))  # compile + warm
-    t0 = time.perf_counter()
-    jax.block_until_ready(loop(x, value, scale))
-    return (time.perf_counter() - t0) / iters
+    body = lambda i, acc, x, v, s: acc + run(x, (ids + i) % E, v, s)  # noqa: E731
+    init = jnp.zeros((x.shape[0], value.shape[2]), jnp.float32)
+    return looped_time(body, init, iters, x, value, scale)
 
 
 if __name__ == "__main__":

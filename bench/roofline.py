@@ -144,22 +144,40 @@ def kv_bytes(cfg: ModelConfig, B: int, T: int, context: int, itemsize: int) -> i
 
 
 # ------------------------------------------------------------------------------ the step
-def make_forward(graphdef, state):
-    """forward(tokens, start, cache) -> (logits, cache donated) for these params: jitted over
-    the params' flat leaves with the graph definition closed over. A jit taking the NNX
-    graphdef as a static argument hashes the whole graph on every call (flax's
-    GraphDef.__hash__ is not cached: 0.9 ms for SmolLM2 on a CPU host, flax 0.12) and
-    flattens the nnx.State through Python (0.2 ms): host time that a timing of one step
-    counted as device time."""
+def jit_over_params(graphdef, state, call, **jit_kw):
+    """call(module, *args) jitted over the params' flat leaves, the graph definition closed
+    over; returns f(*args). A jit taking the NNX graphdef as a static argument hashes the
+    whole graph on every call (flax's GraphDef.__hash__ is not cached: 0.9 ms for SmolLM2 on
+    a CPU host, flax 0.12) and flattens the nnx.State through Python (0.2 ms): host time that
+    a timing of one step counted as device time. jit_kw: argnums count the leaves as 0."""
     leaves, treedef = jax.tree.flatten(state)
 
-    @functools.partial(jax.jit, donate_argnums=3)
-    def forward(leaves, tokens, start, cache):
-        model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-        logits, cache, _ = model(tokens, start, cache)
-        return logits, cache
+    @functools.partial(jax.jit, **jit_kw)
+    def run(leaves, *args):
+        return call(nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)), *args)
 
-    return functools.partial(forward, leaves)
+    return functools.partial(run, leaves)
+
+
+def make_forward(graphdef, state):
+    """forward(tokens, start, cache) -> (logits, cache donated) for these params."""
+    return jit_over_params(graphdef, state, lambda m, *a: m(*a)[:2], donate_argnums=3)
+
+
+def looped_time(body, init, iters: int, *operands) -> float:
+    """Seconds per iteration of carry = body(i, carry, *operands), run `iters` times inside
+    one jitted fori_loop (no dispatch in the timing), after a compile + warm-up run. The
+    operands are arguments, not constants folded into the program; body should change its
+    inputs with i, so that XLA cannot hoist the work out of the loop."""
+
+    @jax.jit
+    def loop(init, *operands):
+        return jax.lax.fori_loop(0, iters, lambda i, c: body(i, c, *operands), init)
+
+    jax.block_until_ready(loop(init, *operands))
+    t0 = time.perf_counter()
+    jax.block_until_ready(loop(init, *operands))
+    return (time.perf_counter() - t0) / iters
 
 
 def chained_time(step, repeats: int) -> float:
@@ -246,16 +264,8 @@ def time_step(model, cfg, B, T, context, repeats, mm_rate) -> dict:
 
 # ------------------------------------------------------------------------------ MoE alone
 def moe_forward(moe):
-    """forward(x) -> the MoE layer's output, jitted over the layer's flat parameter leaves
-    (as make_forward: no GraphDef hashed per call)."""
-    graphdef, state = nnx.split(moe)
-    leaves, treedef = jax.tree.flatten(state)
-
-    @jax.jit
-    def forward(leaves, x):
-        return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))(x)
-
-    return functools.partial(forward, leaves)
+    """forward(x) -> the MoE layer's output, jitted over the layer's parameters."""
+    return jit_over_params(*nnx.split(moe), lambda m, x: m(x))
 
 
 def time_moe(model, cfg, B, T, repeats, mm_rate) -> dict:

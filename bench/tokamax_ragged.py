@@ -28,7 +28,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from roofline import model_config  # bench/ is the script directory
+from roofline import looped_time, model_config  # bench/ is the script directory
 
 from kdj.pallas import expert_grouped
 
@@ -50,18 +50,13 @@ def variant_fn(name: str):
 
 
 def seconds_per_call(fn, xs, iters: int, *operands) -> float:
-    @jax.jit
-    def loop(xs, *operands):
-        def body(i, acc):
-            y = fn(xs + (i * 1e-3).astype(xs.dtype), *operands)  # new rows every call
-            return acc + y[:1].astype(jnp.float32).sum()
+    """fn(xs, *operands) `iters` times in one jitted loop, the input rows changing every call."""
 
-        return jax.lax.fori_loop(0, iters, body, jnp.float32(0))
+    def body(i, acc, xs, *ops):
+        y = fn(xs + (i * 1e-3).astype(xs.dtype), *ops)
+        return acc + y[:1].astype(jnp.float32).sum()
 
-    jax.block_until_ready(loop(xs, *operands))  # compile + warm
-    t0 = time.perf_counter()
-    jax.block_until_ready(loop(xs, *operands))
-    return (time.perf_counter() - t0) / iters
+    return looped_time(body, jnp.float32(0), iters, xs, *operands)
 
 
 def main(argv=None) -> list:

@@ -32,6 +32,20 @@ max_position_embeddings: 256
 """
 
 
+def load_bench(name: str):
+    """bench/<name>.py as a module, its directory on sys.path (its `from roofline import ...`,
+    as when it runs)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / f"{name}.py"
+    sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(name, path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
 def test_roofline_smoke(tmp_path):
     cfg = tmp_path / "tiny-moe.yaml"
     cfg.write_text(TINY_MOE)
@@ -83,17 +97,11 @@ def test_expert_gather_smoke(tmp_path):
     and count the bytes of the touched experts as stored. On the CPU the "kernel" variant
     runs XLA's gather (rows say so); the tile rows and "grouped" run Pallas interpreted.
     (FP8's 128 x 128 blocks do not fit this tiny shape; tests/test_moe.py covers its kernel.)"""
-    import importlib.util
-    from pathlib import Path
 
     cfg = tmp_path / "tiny-moe.yaml"  # widths of 128: the grouped kernel's smallest INT4 K tile
     cfg.write_text(TINY_MOE.replace("hidden_size: 64", "hidden_size: 128").replace(
         "moe_intermediate_size: 32", "moe_intermediate_size: 128"))  # fmt: skip
-    path = Path(__file__).resolve().parent.parent / "bench" / "expert_gather.py"
-    sys.path.insert(0, str(path.parent))  # its `from roofline import ...`, as when run
-    spec = importlib.util.spec_from_file_location("expert_gather", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("expert_gather")
     out = tmp_path / "eg.json"
     args = ["--model", str(cfg), "--assignments", "4", "--formats", "float", "int4",
             "--tiles", "8,32,4,2", "8,32,4,2,2", "--grouped-tiles", "32,128,32,4,2",
@@ -115,16 +123,10 @@ def test_expert_gather_smoke(tmp_path):
 def test_dense_gemv_smoke(tmp_path):
     """bench/dense_gemv.py: every dense matrix of a tiny MoE's decode step, XLA's dot and the
     GEMV (interpreted here) with the split rule's and an extra K split, agree."""
-    import importlib.util
-    from pathlib import Path
 
     cfg = tmp_path / "tiny-moe.yaml"
     cfg.write_text(TINY_MOE.replace("hidden_size: 64", "hidden_size: 512"))
-    path = Path(__file__).resolve().parent.parent / "bench" / "dense_gemv.py"
-    sys.path.insert(0, str(path.parent))  # its `from roofline import ...`, as when run
-    spec = importlib.util.spec_from_file_location("dense_gemv", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("dense_gemv")
     out = tmp_path / "dg.json"
     rows = bench.main(["--model", str(cfg), "--splits", "2", "--iters", "1", "--out", str(out)])
     assert json.loads(out.read_text())["rows"] == rows
@@ -146,16 +148,10 @@ def test_int4_gemv_parts_smoke(tmp_path):
     """bench/int4_gemv_parts.py on a tiny MoE (interpreted): the kernel and the group-3d form
     give the reference's numbers; the diagnostics (work taken out) run and are marked
     inexact, and really are (a test that they measure less work, not the same)."""
-    import importlib.util
-    from pathlib import Path
 
     cfg = tmp_path / "tiny-moe.yaml"  # K = 256 inputs: 32 words, 8 scale groups of 4 words
     cfg.write_text(TINY_MOE.replace("hidden_size: 64", "hidden_size: 256"))
-    path = Path(__file__).resolve().parent.parent / "bench" / "int4_gemv_parts.py"
-    sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location("int4_gemv_parts", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("int4_gemv_parts")
     out = tmp_path / "parts.json"
     rows = bench.main(["--model", str(cfg), "--assignments", "3", "--tiles", "16,32,4",
                        "--iters", "1", "--out", str(out)])  # fmt: skip
@@ -173,15 +169,10 @@ def test_tokamax_ragged_smoke(tmp_path):
     (interpreted) agree; tokamax, never a kdj dependency, is a row saying why it did not run
     when it is not installed."""
     import importlib.util
-    from pathlib import Path
 
     cfg = tmp_path / "tiny-moe.yaml"
     cfg.write_text(TINY_MOE.replace("hidden_size: 64", "hidden_size: 128"))
-    path = Path(__file__).resolve().parent.parent / "bench" / "tokamax_ragged.py"
-    sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location("tokamax_ragged", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("tokamax_ragged")
     out = tmp_path / "tk.json"
     rows = bench.main(["--model", str(cfg), "--assignments", "8", "--iters", "1",
                        "--out", str(out)])  # fmt: skip

@@ -51,12 +51,13 @@ def restore(path: str | Path, dtype=None, mesh=None, rules=None):
         raise ValueError(f"corrupt {path / CONFIG_NAME}: {e}") from None
     if not (path / "params").exists():
         raise FileNotFoundError(f"{path} has no params/ checkpoint")
-    if meta.get("format", 1) < 2 and cfg.family == "deepseek":
+    fmt = meta.get("format", 1)
+    if fmt < 2 and cfg.family == "deepseek":
         raise ValueError(f"{path} was converted by an older kdj that held MLA's w_uv as "
                          "[heads, v_head_dim, kv_lora_rank]; convert the source checkpoint "
                          "again with `kdj convert`")  # fmt: skip
-    if meta.get("format", 1) > FORMAT:
-        raise ValueError(f"{path} is checkpoint format {meta['format']}; this kdj reads up "
+    if fmt > FORMAT:
+        raise ValueError(f"{path} is checkpoint format {fmt}; this kdj reads up "
                          f"to {FORMAT}")  # fmt: skip
     dtype = jnp.dtype(dtype or meta["dtype"])
     rules = rules or single_device_rules()
