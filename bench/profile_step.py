@@ -3,23 +3,26 @@
     python bench/profile_step.py --cases moonlight-16b-a3b:1:ar smollm2-135m-instruct:1:ar \
         smollm2-135m-instruct:1:step smollm2-135m-instruct:1:step-static --out $OUT/prof.json
 
-A case is MODEL:BATCH:METHOD. MODEL: a configs/models name or YAML path (random weights) or what
-kdj.load_target takes. METHOD: "ar", kdj's on-device decode loop (what kdj.generate(method="ar")
-runs), --steps steps after an untraced prefill of --context random tokens; "step", the one-step
-forward bench/roofline.py times, --steps calls queued back to back; "step-static", that step
-jitted with the graphdef static and synced after every call (roofline.py's old timing);
-"auto-skip", method="auto"'s decode loop with a random 4-layer block-16 drafter and no probe
-(every step skips the drafter: the plain path the controller takes where drafting does not
-pay), to set against "ar"; "auto-first", the same loop but its first step drafts (no prior,
-as when the drafter's calibration promised a win), as real runs at small batch do;
-"ar-xla-dense", "ar" with every dense projection left to XLA's dot (kdj.models.layers.matmul's
-and head_matmul's one-row Pallas GEMVs switched off), to set against "ar"; "ar-xla-heads", only
-head_matmul's (MLA's absorbed projections) switched off; "moe-T", the first MoE layer of a
-2-layer slice alone on BATCH x T random tokens (roofline.py --moe-shapes' case). A case
-runs to compile, timed, then under jax.profiler.trace. Device events (GPU: kernels on the
-/device:GPU streams; CPU: XLA thunks on tf_XLA* threads) are summed by name and category, with
-busy time and kernels per step and the heaviest Python frames; JSON is saved after each case.
-Traced, XLA may run command buffers (CUDA graphs) kernel by kernel: compare wall_ms_per_step.
+A case is MODEL:BATCH:METHOD. MODEL: a configs/models name or YAML path (random weights) or
+what kdj.load_target takes. METHOD: "ar", kdj's on-device decode loop (what
+kdj.generate(method="ar") runs), --steps steps after an untraced prefill of --context random
+tokens; "step", the one-step forward bench/roofline.py times, --steps calls queued back to
+back; "step-static", that step jitted with the graphdef static and synced after every call
+(roofline.py's old timing); "auto-skip", method="auto"'s decode loop with a random 4-layer
+block-16 drafter and no probe (every step skips the drafter: the plain path the controller
+takes where drafting does not pay), to set against "ar"; "auto-first", the same loop but its
+first step drafts (no prior, as when the drafter's calibration promised a win), as real runs at
+small batch do; "ar-xla-dense", "ar" with every dense projection left to XLA's dot
+(kdj.models.layers.matmul's and head_matmul's one-row Pallas GEMVs switched off), to set
+against "ar"; "ar-xla-heads", only head_matmul's (MLA's absorbed projections) switched off;
+"ar-xla-small", matmul's GEMV only from 2M weights (its floor before MLA's kv_a and the router
+moved to it); "ar-latent-kernel", MLA's decode attention on the latent Pallas kernel at any
+cache capacity (not only from 16K); "moe-T", the first MoE layer of a 2-layer slice alone on
+BATCH x T random tokens (roofline.py --moe-shapes' case). A case runs to compile, timed, then
+under jax.profiler.trace. Device events (GPU: kernels on the /device:GPU streams; CPU: XLA
+thunks on tf_XLA* threads) are summed by name and category, with busy time and kernels per step
+and the heaviest Python frames; JSON is saved after each case. Traced, XLA may run command
+buffers (CUDA graphs) kernel by kernel: compare wall_ms_per_step.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from kdj.decode import speculative
 from kdj.models import layers
 from kdj.models.deepseek import MoE
 from kdj.models.transformer import build_model
+from kdj.pallas import tree_attention
 
 CATEGORIES = (  # (category, pattern): first match on the lower-cased kernel name wins
     ("attention", r"attention|attn|flash|fmha|mha"),
@@ -255,15 +259,32 @@ def moe_case(name: str, B: int, T: int, steps: int, dtype):
     return lambda: None, run
 
 
+def _never(x, w) -> bool:
+    return False
+
+
+# "ar" with kdj's trace-time rules changed: (module, attribute) -> the value for the case
+SWITCHES = {
+    "ar-xla-dense": {(layers, "uses_gemv"): _never, (layers, "uses_head_gemv"): _never},
+    "ar-xla-heads": {(layers, "uses_head_gemv"): _never},
+    "ar-xla-small": {(layers, "GEMV_MIN_WEIGHTS"): 1 << 21},
+    "ar-latent-kernel": {(layers, "LATENT_KERNEL_MIN_DECODE_CAPACITY"): 0},
+    "ar-latent-split": {
+        (layers, "LATENT_KERNEL_MIN_DECODE_CAPACITY"): 0,
+        (tree_attention, "MIN_SPLIT_BLOCKS"): 1,
+    },
+}
+
+
 def profile_case(spec: str, args, targets: dict, trace_root: Path) -> dict:
     name, batch, method = spec.rsplit(":", 2)
     B, steps, ctx = int(batch), args.steps, args.context
     moe_tokens = re.fullmatch(r"moe-(\d+)", method)
     if not moe_tokens and method not in (
-        "ar", "ar-xla-dense", "ar-xla-heads", "auto-skip", "auto-first", "step", "step-static"
+        "ar", *SWITCHES, "auto-skip", "auto-first", "step", "step-static",
     ):  # fmt: skip
-        raise ValueError(f"{spec}: the method must be ar, ar-xla-dense, ar-xla-heads, "
-                         "auto-skip, auto-first, step, step-static or moe-T")  # fmt: skip
+        methods = ", ".join(["ar", *SWITCHES, "auto-skip", "auto-first", "step", "step-static"])
+        raise ValueError(f"{spec}: the method must be one of {methods} or moe-T")
     if moe_tokens:
         targets.clear()
         prepare, run = moe_case(name, B, int(moe_tokens[1]), steps, args.dtype)
@@ -278,20 +299,21 @@ def profile_case(spec: str, args, targets: dict, trace_root: Path) -> dict:
         else:
             targets[name] = kdj.load_target(name, dtype=args.dtype)
     target, rng = targets[name], np.random.default_rng(B)
-    if method in ("ar-xla-dense", "ar-xla-heads"):  # traced afresh with switches off
+    if method in SWITCHES:  # traced afresh with some of kdj's trace-time rules changed
+        rules = SWITCHES[method]
+        keep = {rule: getattr(*rule) for rule in rules}
         jax.clear_caches()
-        keep = layers.uses_gemv, layers.uses_head_gemv
-        layers.uses_head_gemv = lambda x, w: False
-        if method == "ar-xla-dense":
-            layers.uses_gemv = layers.uses_head_gemv
         try:
+            for (module, attr), value in rules.items():
+                setattr(module, attr, value)
             traces = trace_root / method  # its own folder: the "ar" case's may exist
             return profile_case(f"{name}:{batch}:ar", args, targets, traces) | {
                 "case": spec,
                 "method": method,
             }
         finally:
-            layers.uses_gemv, layers.uses_head_gemv = keep
+            for (module, attr), value in keep.items():
+                setattr(module, attr, value)
             jax.clear_caches()
     if method == "ar":
         prepare, run = ar_case(target, B, ctx, steps, rng)

@@ -144,7 +144,9 @@ def test_one_row_projections_take_the_gemv_split_over_k(monkeypatch):
     monkeypatch.setattr(jax, "device_count", lambda: 1)
     assert layers.uses_gemv(one, jnp.zeros((2048, 3072)))  # Moonlight's q_proj
     assert not layers.uses_gemv(two, jnp.zeros((2048, 3072)))  # two rows: XLA's GEMM
-    assert not layers.uses_gemv(one, jnp.zeros((2048, 576)))  # small: XLA fuses it
+    assert layers.uses_gemv(one, jnp.zeros((2048, 576)))  # MLA's kv_a
+    assert layers.uses_gemv(one, jnp.zeros((2048, 64)))  # Moonlight's router (float32)
+    assert not layers.uses_gemv(one, jnp.zeros((576, 192)))  # small: XLA fuses it
     assert not layers.uses_gemv(one, jnp.zeros((2048, 2, 11264)))  # big: XLA's dot is fast
     monkeypatch.setattr(jax, "device_count", lambda: 8)
     assert not layers.uses_gemv(one, jnp.zeros((2048, 3072)))  # a mesh: weights may be split

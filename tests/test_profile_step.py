@@ -59,19 +59,23 @@ def test_profile_step_cpu(tmp_path):
 
 def test_profile_step_moe_cases_cpu(tmp_path):
     """A tiny DeepSeek-V3 shape: the MoE layer alone (moe-T) and the decode loop with MLA's
-    head GEMV switched off (ar-xla-heads, on the CPU the same XLA path) trace and summarise."""
+    head GEMV switched off (ar-xla-heads) or the GEMV's old 2M-weight floor (ar-xla-small; on
+    the CPU both the same XLA path) trace and summarise, and the switch is put back."""
     from test_bench import TINY_MOE
+
+    from kdj.models import layers
 
     cfg = tmp_path / "tiny-moe.yaml"
     cfg.write_text(TINY_MOE)
-    cases = [f"{cfg}:4:moe-3", f"{cfg}:1:ar-xla-heads"]
+    cases = [f"{cfg}:4:moe-3", f"{cfg}:1:ar-xla-heads", f"{cfg}:1:ar-xla-small"]
     out = profile_step.main(["--cases", *cases, "--context", "8", "--steps", "2",
                              "--trace-dir", str(tmp_path / "traces")])  # fmt: skip
     assert [c["case"] for c in out["cases"]] == cases
     for case in out["cases"]:
         assert "error" not in case, case.get("error")
         assert case["kernels"] and case["busy_ms_per_step"] > 0
-    assert out["cases"][0]["method"] == "moe-3" and out["cases"][1]["method"] == "ar-xla-heads"
+    assert [c["method"] for c in out["cases"]] == ["moe-3", "ar-xla-heads", "ar-xla-small"]
+    assert layers.GEMV_MIN_WEIGHTS == 1 << 17
     with pytest.raises(ValueError, match="moe-T"):
         args = profile_step.argparse.Namespace(steps=1, context=8, dtype="float32")
         profile_step.profile_case(f"{cfg}:1:moe", args, {}, tmp_path)

@@ -26,6 +26,7 @@ from kdj.models.layers import (
     apply_rope,
     attend_latent,
     head_matmul,
+    matmul,
     param,
     rope_frequencies,
     softmax_scale,
@@ -92,7 +93,7 @@ def route(x, router, bias, cfg: ModelConfig):
     [N, k] float32 and expert ids [N, k] int32. The correction bias steers selection only;
     the combine weights are the unbiased scores.
     """
-    logits = x.astype(jnp.float32) @ router
+    logits = matmul(x.astype(jnp.float32), router)  # one token: the Pallas GEMV on a GPU
     if cfg.scoring_func == "sigmoid":
         scores = jax.nn.sigmoid(logits)
     else:

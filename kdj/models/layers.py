@@ -42,9 +42,11 @@ def zeros(shape, axes, dtype) -> nnx.Param:
 # shared-expert projections (8-23M weights) ran at 0.4-1.1 TB/s, the GEMV split over K at
 # 0.7-1.6 TB/s, and the batch-1 decode loop went from 4.50 to 3.64 ms per step
 # (bench/dense_gemv.py, profile_step.py "ar-xla-dense"; BENCHMARKS.md "Dense projections").
-# Below 2M weights it is a few microseconds either way, and XLA fusing the matvec into its
-# neighbours counts for more; from 16M up XLA's dot runs at 2.7-4.2 TB/s and stays.
-GEMV_MIN_WEIGHTS, GEMV_MAX_WEIGHTS = 1 << 21, 1 << 24
+# The floor was 2M weights until the decode loop's profile showed XLA's form of MLA's kv_a
+# [2048, 576] and the router [2048, 64] costing 7.3 and 5.7 us a layer (profile_step.py
+# "ar-xla-small" keeps the old floor; BENCHMARKS.md "Small projections"). From 16M up XLA's
+# dot runs at 2.7-4.2 TB/s and stays.
+GEMV_MIN_WEIGHTS, GEMV_MAX_WEIGHTS = 1 << 17, 1 << 24
 
 
 def lone_gpu() -> bool:
@@ -275,6 +277,12 @@ def attend(q, k, v, start, tree, scale: float):
     return reference_attention(q, k, v, start, tree, scale)
 
 
+# Plain decode (T = 1) runs the latent Pallas kernel from this cache capacity up (see
+# attend_latent; profile_step.py "ar-latent-kernel" sets it to 0 to time the kernel in the
+# decode loop at any capacity).
+LATENT_KERNEL_MIN_DECODE_CAPACITY = 16384
+
+
 def attend_latent(q, kv, start, tree, scale: float, v_dim: int):
     """MLA absorbed attention: q [B, T, H, C + R] over one shared stream kv [B, 1, S, C + R]
     whose first v_dim = C columns are also the values. Returns [B, T, H, C].
@@ -288,7 +296,7 @@ def attend_latent(q, kv, start, tree, scale: float, v_dim: int):
     T, H, S = q.shape[1], q.shape[2], kv.shape[2]
     if (
         jax.default_backend() == "gpu"
-        and ((T == 1 and S >= 16384) or T * H >= 32768)
+        and ((T == 1 and S >= LATENT_KERNEL_MIN_DECODE_CAPACITY) or T * H >= 32768)
         and tree_attention.supported(q.shape, kv.shape, v_dim, latent=True)
     ):
         return tree_attention.latent_tree_attention(q, kv, start, tree, scale, v_dim)

@@ -51,6 +51,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 _TARGET_PROGRAMS = 264  # ~2 waves on the H200's 132 SMs
+MIN_SPLIT_BLOCKS = 8  # a slot split spans at least this many K blocks
 
 
 def _pow2_parts(d: int) -> tuple[tuple[int, int], ...] | None:
@@ -171,7 +172,7 @@ def _flash(q, k, v, start, tree, scale, *, G, latent, dv, cfg, interpret):
     Rp = nq * bq
     q = jnp.pad(q, ((0, 0), (0, 0), (0, Rp - R), (0, 0)))
     ns = cfg.get("num_splits") or max(
-        1, min(pl.cdiv(_TARGET_PROGRAMS, B * KVH * nq), S // (8 * bk))
+        1, min(pl.cdiv(_TARGET_PROGRAMS, B * KVH * nq), S // (MIN_SPLIT_BLOCKS * bk))
     )
     parts = _pow2_parts(Dk)
     kernel = functools.partial(
