@@ -16,6 +16,7 @@
 #            batch 1 (bench/roofline.py; the issue's INT4 acceptance row)
 #   skip:    profiles of the auto loop's plain steps against AR (bench/profile_step.py)
 #   attn:    the tree-attention kernel against XLA at batch 1 (bench/tree_attention.py)
+#   moe-rows (no GGUF, two GPUs): the MoE issue's four acceptance rows in one run
 #   small-proj (no GGUF, two GPUs): the batch-1 decode loop with small projections on the
 #            GEMV or not, MLA's decode attention on the kernel; the INT4 GEMV's integer work
 #   fit (after the copies; carry .traincache/data/eval_prompts.json): the real pair's fixed
@@ -407,12 +408,16 @@ train-2l)
   ;;
 small-proj)  # two GPUs, no GGUF. Both: the Moonlight batch-1 decode loop profiled with kv_a and
             # the router on the GEMV ("ar") and without ("ar-xla-small"). GPU 0 also: MLA's
-            # decode attention on the latent kernel, SmolLM2's loop both ways. GPU 1 also:
-            # the INT4 GEMV without its integer work, and the Kimi-K2 slice's INT4 row
+            # decode attention on XLA's form and with 8-block splits, SmolLM2's loop both ways.
+            # GPU 1 also: the INT4 GEMV without its integer work, the Kimi-K2 slice's INT4 row.
+            # (First run at a803e41, whose "ar" kept XLA's decode attention and whose
+            # "ar-latent-kernel" / "ar-latent-split" cases ran the kernel with 8 / 1-block
+            # splits: the "ar-xla-latent" / "ar-latent-split8" / "ar" of later commits.)
   (export CUDA_VISIBLE_DEVICES=0; G=$OUT/gpu0; mkdir -p "$G"
    quiet timeout 300 python bench/profile_step.py --cases moonlight-16b-a3b:1:ar \
-     moonlight-16b-a3b:1:ar-xla-small moonlight-16b-a3b:1:ar-latent-kernel smollm2-135m:1:ar \
-     smollm2-135m:1:ar-xla-small --context 512 --steps 32 --top 60 --out "$G/profile_ar.json"
+     moonlight-16b-a3b:1:ar-xla-small moonlight-16b-a3b:1:ar-xla-latent \
+     moonlight-16b-a3b:1:ar-latent-split8 smollm2-135m:1:ar smollm2-135m:1:ar-xla-small \
+     --context 512 --steps 32 --top 60 --out "$G/profile_ar.json"
   ) > "$OUT/gpu0.log" 2>&1 &
   (export CUDA_VISIBLE_DEVICES=1; G=$OUT/gpu1; mkdir -p "$G"
    quiet timeout 120 python bench/int4_gemv_parts.py --model kimi-k2-slice --assignments 8 64 \
@@ -423,6 +428,33 @@ small-proj)  # two GPUs, no GGUF. Both: the Moonlight batch-1 decode loop profil
    quiet timeout 200 python bench/profile_step.py --cases moonlight-16b-a3b:1:ar \
      moonlight-16b-a3b:1:ar-xla-small --context 512 --steps 32 --top 60 \
      --out "$G/profile_ar.json"
+  ) > "$OUT/gpu1.log" 2>&1 &
+  wait
+  tar -czf "$OUT/results.tar.gz" -C "$OUT" gpu0 gpu1 && rm -r "$OUT/gpu0" "$OUT/gpu1"
+  tail -n 40 "$OUT"/*.log
+  ;;
+moe-rows)  # two GPUs, no GGUF: the MoE issue's four rows side by side with the code as committed.
+      # GPU 0: the Moonlight batch-1 decode loop (row 1) with A/B cases for its newest rules,
+      # the MoE layer at 1 x 16 and 256 x 16 (rows 2, 3). GPU 1: the Kimi-K2 slice bf16 vs
+      # INT4 (row 4) and its experts alone, Moonlight full depth, the decode loop again
+  (export CUDA_VISIBLE_DEVICES=0; G=$OUT/gpu0; mkdir -p "$G"
+   quiet timeout 330 python bench/profile_step.py --cases moonlight-16b-a3b:1:ar \
+     moonlight-16b-a3b:1:ar-xla-latent moonlight-16b-a3b:1:ar-latent-split8 \
+     moonlight-16b-a3b:1:ar-gemv-programs-256 moonlight-16b-a3b:1:ar-gemv-programs-1024 \
+     --context 512 --steps 32 --top 60 --out "$G/profile_ar.json"
+   quiet timeout 150 python bench/roofline.py --models moonlight-16b-a3b --layers 4 --experts \
+     bf16 --batches 1 --tokens 1 --moe-shapes 1x16 256x16 --repeats 20 --out "$G/moe_layer.json"
+  ) > "$OUT/gpu0.log" 2>&1 &
+  (export CUDA_VISIBLE_DEVICES=1; G=$OUT/gpu1; mkdir -p "$G"
+   quiet timeout 120 python bench/roofline.py --models kimi-k2-slice --experts bf16 int4 \
+     --batches 1 --tokens 1 --moe-shapes 1x1 --repeats 20 --out "$G/roofline_kimi-slice.json"
+   quiet timeout 90 python bench/expert_gather.py --model kimi-k2-slice --assignments 8 \
+     --formats float int4 --variants kernel --iters 30 --out "$G/experts_kimi.json"
+   quiet timeout 200 python bench/roofline.py --models moonlight-16b-a3b --batches 1 16 256 \
+     --tokens 1 17 --max-tokens 4400 --repeats 5 --out "$G/roofline_moonlight-27L.json"
+   quiet timeout 150 python bench/profile_step.py --cases moonlight-16b-a3b:1:ar \
+     moonlight-16b-a3b:1:ar-xla-latent --context 4096 --steps 32 --top 60 \
+     --out "$G/profile_ar_4096.json"
   ) > "$OUT/gpu1.log" 2>&1 &
   wait
   tar -czf "$OUT/results.tar.gz" -C "$OUT" gpu0 gpu1 && rm -r "$OUT/gpu0" "$OUT/gpu1"

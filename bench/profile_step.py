@@ -16,13 +16,16 @@ small batch do; "ar-xla-dense", "ar" with every dense projection left to XLA's d
 (kdj.models.layers.matmul's and head_matmul's one-row Pallas GEMVs switched off), to set
 against "ar"; "ar-xla-heads", only head_matmul's (MLA's absorbed projections) switched off;
 "ar-xla-small", matmul's GEMV only from 2M weights (its floor before MLA's kv_a and the router
-moved to it); "ar-latent-kernel", MLA's decode attention on the latent Pallas kernel at any
-cache capacity (not only from 16K); "moe-T", the first MoE layer of a 2-layer slice alone on
-BATCH x T random tokens (roofline.py --moe-shapes' case). A case runs to compile, timed, then
-under jax.profiler.trace. Device events (GPU: kernels on the /device:GPU streams; CPU: XLA
-thunks on tf_XLA* threads) are summed by name and category, with busy time and kernels per step
-and the heaviest Python frames; JSON is saved after each case. Traced, XLA may run command
-buffers (CUDA graphs) kernel by kernel: compare wall_ms_per_step.
+moved to it); "ar-xla-latent", MLA's decode attention on XLA's form below 16K of cache capacity
+(the rule before the latent kernel took decode at any capacity); "ar-latent-split8", that
+kernel's decode slot splits at least 8 K blocks long (the rule before: now 1);
+"ar-gemv-programs-256" / "ar-gemv-programs-1024", the one-row GEMVs split over K to fill 256 /
+1024 programs (expert_gemv.PROGRAMS: 512); "moe-T", the first MoE layer of a 2-layer slice
+alone on BATCH x T random tokens (roofline.py --moe-shapes' case). A case runs to compile,
+timed, then under jax.profiler.trace. Device events (GPU: kernels on the /device:GPU streams;
+CPU: XLA thunks on tf_XLA* threads) are summed by name and category, with busy time and kernels
+per step and the heaviest Python frames; JSON is saved after each case. Traced, XLA may run
+command buffers (CUDA graphs) kernel by kernel: compare wall_ms_per_step.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from kdj.decode import speculative
 from kdj.models import layers
 from kdj.models.deepseek import MoE
 from kdj.models.transformer import build_model
-from kdj.pallas import tree_attention
+from kdj.pallas import expert_gemv, tree_attention
 
 CATEGORIES = (  # (category, pattern): first match on the lower-cased kernel name wins
     ("attention", r"attention|attn|flash|fmha|mha"),
@@ -268,11 +271,10 @@ SWITCHES = {
     "ar-xla-dense": {(layers, "uses_gemv"): _never, (layers, "uses_head_gemv"): _never},
     "ar-xla-heads": {(layers, "uses_head_gemv"): _never},
     "ar-xla-small": {(layers, "GEMV_MIN_WEIGHTS"): 1 << 21},
-    "ar-latent-kernel": {(layers, "LATENT_KERNEL_MIN_DECODE_CAPACITY"): 0},
-    "ar-latent-split": {
-        (layers, "LATENT_KERNEL_MIN_DECODE_CAPACITY"): 0,
-        (tree_attention, "MIN_SPLIT_BLOCKS"): 1,
-    },
+    "ar-xla-latent": {(layers, "LATENT_KERNEL_MIN_DECODE_CAPACITY"): 16384},
+    "ar-latent-split8": {(tree_attention, "DECODE_MIN_SPLIT_BLOCKS"): 8},
+    "ar-gemv-programs-256": {(expert_gemv, "PROGRAMS"): 256},
+    "ar-gemv-programs-1024": {(expert_gemv, "PROGRAMS"): 1024},
 }
 
 

@@ -108,6 +108,18 @@ def test_mla_random_tree(T, dtype, cfg):
     check(out, reference_attention(q, kv, kv[..., :C], start, tree, 0.1), dtype)
 
 
+def test_slot_splits():
+    """Plain decode spreads a row's slots over programs of one K block each (its only
+    parallelism at batch 1 over one KV head); a tree keeps splits of 8 blocks."""
+    from kdj.pallas.tree_attention import slot_splits
+
+    assert slot_splits(B=1, KVH=1, nq=1, S=640, T=1, bk=64) == 10  # Moonlight, 512 context
+    assert slot_splits(B=1, KVH=1, nq=1, S=640, T=17, bk=64) == 1
+    assert slot_splits(B=1, KVH=1, nq=2, S=32768, T=1, bk=64) == 132  # ~264 programs in all
+    assert slot_splits(B=1, KVH=8, nq=1, S=32768, T=17, bk=64) == 33
+    assert slot_splits(B=4, KVH=1, nq=1, S=32, T=1, bk=64) == 1  # less than one block
+
+
 def test_mask_error_is_caught():
     """Dropping one visible tree edge changes the answer by far more than the tolerance, so
     a kernel that misread the tree would fail the comparisons above."""

@@ -277,10 +277,11 @@ def attend(q, k, v, start, tree, scale: float):
     return reference_attention(q, k, v, start, tree, scale)
 
 
-# Plain decode (T = 1) runs the latent Pallas kernel from this cache capacity up (see
-# attend_latent; profile_step.py "ar-latent-kernel" sets it to 0 to time the kernel in the
-# decode loop at any capacity).
-LATENT_KERNEL_MIN_DECODE_CAPACITY = 16384
+# Plain decode (T = 1) runs the latent Pallas kernel from this cache capacity up: all of them
+# since its decode splits became one K block long (kdj/pallas/tree_attention.py,
+# slot_splits). bench/profile_step.py "ar-xla-latent" restores the rule before (16K), to set
+# XLA's form against the kernel.
+LATENT_KERNEL_MIN_DECODE_CAPACITY = 0
 
 
 def attend_latent(q, kv, start, tree, scale: float, v_dim: int):
@@ -288,10 +289,11 @@ def attend_latent(q, kv, start, tree, scale: float, v_dim: int):
     whose first v_dim = C columns are also the values. Returns [B, T, H, C].
 
     On GPU the Pallas kernel runs where it measured no slower than the reference: plain
-    decode (T = 1) over a capacity S >= 16K (17 % faster at 32K; XLA is ahead at 1K-8K), and
-    T * H >= 32768 (e.g. T >= 256 at H = 128), where it also avoids the reference's
-    [T, H, S] f32 score tensor (34 GB at T = 2048, H = 128, S = 32K). Between those the
-    reference's large matmuls win (1.3x at T = 17). Decided at trace time.
+    decode (T = 1) at any capacity (Moonlight's batch-1 decode loop 6-8% faster at 512 and
+    4,096 tokens of context, in ~190 fewer kernels a step), and T * H >= 32768 (e.g.
+    T >= 256 at H = 128), where it also avoids the reference's [T, H, S] f32 score tensor
+    (34 GB at T = 2048, H = 128, S = 32K). Between those the reference's large matmuls win
+    (1.3x at T = 17). Decided at trace time.
     """
     T, H, S = q.shape[1], q.shape[2], kv.shape[2]
     if (

@@ -51,7 +51,21 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 _TARGET_PROGRAMS = 264  # ~2 waves on the H200's 132 SMs
-MIN_SPLIT_BLOCKS = 8  # a slot split spans at least this many K blocks
+# A slot split spans at least this many K blocks: 8 with a tree (T > 1: tuned at T = 17),
+# 1 in plain decode (T = 1). A decode step has one query tile per KV head, so only the slot
+# split spreads its work; with 8-block splits Moonlight's 640-slot cache ran on 2 programs
+# (25 us a layer, slower than XLA's form), with 1-block splits on 11 (the batch-1 decode
+# loop: 3.32 -> 3.13 ms a step at 512 tokens of context, 3.58 -> 3.30 at 4,096;
+# bench/profile_step.py "ar-latent-split8" keeps 8; BENCHMARKS.md "Small projections").
+MIN_SPLIT_BLOCKS, DECODE_MIN_SPLIT_BLOCKS = 8, 1
+
+
+def slot_splits(B: int, KVH: int, nq: int, S: int, T: int, bk: int) -> int:
+    """How many programs share a row's committed slots (see the module docstring): enough
+    for ~_TARGET_PROGRAMS programs in all, each split at least MIN_SPLIT_BLOCKS (T > 1) or
+    DECODE_MIN_SPLIT_BLOCKS (T = 1) K blocks of bk slots of the S-slot cache."""
+    min_blocks = DECODE_MIN_SPLIT_BLOCKS if T == 1 else MIN_SPLIT_BLOCKS
+    return max(1, min(pl.cdiv(_TARGET_PROGRAMS, B * KVH * nq), S // (min_blocks * bk)))
 
 
 def _pow2_parts(d: int) -> tuple[tuple[int, int], ...] | None:
@@ -171,9 +185,7 @@ def _flash(q, k, v, start, tree, scale, *, G, latent, dv, cfg, interpret):
     nq = pl.cdiv(R, bq)
     Rp = nq * bq
     q = jnp.pad(q, ((0, 0), (0, 0), (0, Rp - R), (0, 0)))
-    ns = cfg.get("num_splits") or max(
-        1, min(pl.cdiv(_TARGET_PROGRAMS, B * KVH * nq), S // (MIN_SPLIT_BLOCKS * bk))
-    )
+    ns = cfg.get("num_splits") or slot_splits(B, KVH, nq, S, T, bk)
     parts = _pow2_parts(Dk)
     kernel = functools.partial(
         _kernel,
