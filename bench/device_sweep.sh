@@ -436,11 +436,13 @@ small-proj)  # two GPUs, no GGUF. Both: the Moonlight batch-1 decode loop profil
 moe-rows)  # two GPUs, no GGUF: the MoE issue's four rows side by side with the code as committed.
       # GPU 0: the Moonlight batch-1 decode loop (row 1) with A/B cases for its newest rules,
       # the MoE layer at 1 x 16 and 256 x 16 (rows 2, 3). GPU 1: the Kimi-K2 slice bf16 vs
-      # INT4 (row 4) and its experts alone, Moonlight full depth, the decode loop again
+      # INT4 (row 4) and its experts alone, Moonlight full depth, the decode loop again.
+      # (First run at a502592, where expert_gemv.PROGRAMS was 512 and the case was
+      # "ar-gemv-programs-256", the "ar" of later commits.)
   (export CUDA_VISIBLE_DEVICES=0; G=$OUT/gpu0; mkdir -p "$G"
    quiet timeout 330 python bench/profile_step.py --cases moonlight-16b-a3b:1:ar \
      moonlight-16b-a3b:1:ar-xla-latent moonlight-16b-a3b:1:ar-latent-split8 \
-     moonlight-16b-a3b:1:ar-gemv-programs-256 moonlight-16b-a3b:1:ar-gemv-programs-1024 \
+     moonlight-16b-a3b:1:ar-gemv-programs-512 moonlight-16b-a3b:1:ar-gemv-programs-1024 \
      --context 512 --steps 32 --top 60 --out "$G/profile_ar.json"
    quiet timeout 150 python bench/roofline.py --models moonlight-16b-a3b --layers 4 --experts \
      bf16 --batches 1 --tokens 1 --moe-shapes 1x16 256x16 --repeats 20 --out "$G/moe_layer.json"

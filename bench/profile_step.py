@@ -19,13 +19,13 @@ against "ar"; "ar-xla-heads", only head_matmul's (MLA's absorbed projections) sw
 moved to it); "ar-xla-latent", MLA's decode attention on XLA's form below 16K of cache capacity
 (the rule before the latent kernel took decode at any capacity); "ar-latent-split8", that
 kernel's decode slot splits at least 8 K blocks long (the rule before: now 1);
-"ar-gemv-programs-256" / "ar-gemv-programs-1024", the one-row GEMVs split over K to fill 256 /
-1024 programs (expert_gemv.PROGRAMS: 512); "moe-T", the first MoE layer of a 2-layer slice
-alone on BATCH x T random tokens (roofline.py --moe-shapes' case). A case runs to compile,
-timed, then under jax.profiler.trace. Device events (GPU: kernels on the /device:GPU streams;
-CPU: XLA thunks on tf_XLA* threads) are summed by name and category, with busy time and kernels
-per step and the heaviest Python frames; JSON is saved after each case. Traced, XLA may run
-command buffers (CUDA graphs) kernel by kernel: compare wall_ms_per_step.
+"ar-gemv-programs-512" / "ar-gemv-programs-1024", the one-row GEMVs split over K to fill 512
+(the rule before) / 1024 programs (expert_gemv.PROGRAMS: 256); "moe-T", the first MoE layer of
+a 2-layer slice alone on BATCH x T random tokens (roofline.py --moe-shapes' case). A case runs
+to compile, timed, then under jax.profiler.trace. Device events (GPU: kernels on the
+/device:GPU streams; CPU: XLA thunks on tf_XLA* threads) are summed by name and category, with
+busy time and kernels per step and the heaviest Python frames; JSON is saved after each case.
+Traced, XLA may run command buffers (CUDA graphs) kernel by kernel: compare wall_ms_per_step.
 """
 
 from __future__ import annotations
@@ -273,7 +273,7 @@ SWITCHES = {
     "ar-xla-small": {(layers, "GEMV_MIN_WEIGHTS"): 1 << 21},
     "ar-xla-latent": {(layers, "LATENT_KERNEL_MIN_DECODE_CAPACITY"): 16384},
     "ar-latent-split8": {(tree_attention, "DECODE_MIN_SPLIT_BLOCKS"): 8},
-    "ar-gemv-programs-256": {(expert_gemv, "PROGRAMS"): 256},
+    "ar-gemv-programs-512": {(expert_gemv, "PROGRAMS"): 512},
     "ar-gemv-programs-1024": {(expert_gemv, "PROGRAMS"): 1024},
 }
 

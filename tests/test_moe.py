@@ -104,9 +104,10 @@ def test_gemv_k_split_rule():
     """expert_gemv.splits: enough programs for few assignments, whole scale groups and blocks
     per slice, slices of at least 256 inputs; many assignments are not split."""
     s = expert_gemv.splits
-    assert s(6, "float", 2048, 2816) == 2 and s(6, "float", 1408, 2048) == 4  # Moonlight experts
+    assert s(6, "float", 2048, 2816) == 1 and s(6, "float", 1408, 2048) == 2  # Moonlight experts
     assert s(8, "float", 7168, 4096) == 1 and s(64, "float", 2048, 2816) == 1  # enough already
-    assert s(1, "int4", 2048, 2816, (1, 64, 2816)) == 8  # 256 inputs = 8 groups of 32 per slice
+    assert s(1, "int4", 2048, 2816, (1, 64, 2816)) == 4  # 512 inputs = 16 groups of 32 per slice
+    assert s(1, "int4", 1024, 64, (1, 32, 64)) == 4  # at most 256 inputs = 8 groups per slice
     assert s(1, "fp8", 384, 2048, (1, 3, 16)) == 1  # 3 blocks of 128: no whole halves
     assert s(1, "float", 384, 2048) == 1  # halves of 192 inputs: too short
     x, w = jnp.zeros((1, 66)), jnp.zeros((1, 66, 8))
@@ -154,6 +155,7 @@ def test_one_row_projections_take_the_gemv_split_over_k(monkeypatch):
     splits = functools.partial(expert_gemv.splits, 1, "float")
     assert splits(2048, 3072) == 8 and splits(2048, 64 * 512) == 1
     assert splits(2816, 2048) == 8  # 352-row slices: ragged K tiles of 128
+    assert splits(2048, 5632) == 4  # its shared experts' gate/up
     ran = []
     monkeypatch.setattr(layers, "uses_gemv", lambda x, w: ran.append(w.shape) or x.size == 704)
     rng = np.random.default_rng(5)

@@ -175,9 +175,12 @@ def supported(fmt: str, K: int, F: int, scale_shape=None) -> bool:
     return fmt == "float"
 
 
-# Programs a GEMV grid should have to keep an H200 busy (~4 per SM): with fewer assignments
-# x column tiles than this, K is split into slices that run as programs of their own.
-PROGRAMS = 512
+# Programs a GEMV grid should have to keep an H200 busy (~2 per SM): with fewer assignments
+# x column tiles than this, K is split into slices that run as programs of their own. 256, not
+# 512: Moonlight's batch-1 decode loop spent 2% less device time a step in each of four paired
+# runs (2.89 against 2.95 ms; bench/profile_step.py "ar-gemv-programs-512", BENCHMARKS.md
+# "Small projections"): its routed gate/up and shared gate/up are cut in half as often.
+PROGRAMS = 256
 
 
 def splits(n: int, fmt: str, K: int, F: int, scale_shape=None) -> int:

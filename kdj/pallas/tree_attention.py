@@ -34,6 +34,10 @@ of the 4.3 TB/s copy bandwidth, bytes = slots < start + T read once + q + out):
   * DeepSeek-V3 MLA (T * 128 query rows over one stream): compute-bound at every T > 1,
     where XLA's large matmuls are up to 1.35x faster (T = 17, 32K: 938 vs 693 us); parity at
     T = 65, ahead at T = 1, 32K (82 vs 98 us). ``attend_latent`` picks accordingly.
+  * Plain decode (T = 1) splits the slots into one-block programs (`slot_splits`): with
+    8-block splits a short cache ran on two programs (Moonlight, 640 slots: 25 us a layer);
+    with one-block splits 6 us, and MLA decode takes the kernel at every capacity
+    (BENCHMARKS.md "Small projections").
 Why not 70 %: even at T = 1 (no matmul pressure) the loop streams at ~50 % (62 us at 32K),
 so the memory pipeline (Triton's software pipelining, no TMA bulk copies) is the first
 limit; past T = 17 the padded MMA work (rows rounded to 64) adds to it.
