@@ -779,3 +779,19 @@ def test_run_training_passes_the_data_options(target, tmp_path, monkeypatch):
         run_training(cfg, log=lambda *_: None)
     assert seen["turns"] == "all" and seen["samples_per_prompt"] == 3
     assert seen["temperature"] == 0.5 and len(seen["prompts"]) == sum(1 + i % 3 for i in range(30))
+
+
+def test_taps_come_in_the_order_asked(target):
+    """The target returns tapped hidden states in target_layer_ids order (a drafter's fc takes
+    its features in that order, as the reference concatenates them), whatever the layer
+    order; an id outside the target's layers is a clear error, not a missing feature."""
+    from kdj.api import _forward
+
+    tokens = jnp.asarray([[1, 5, 7, 2]], jnp.int32)
+    _, fwd = _forward(target.graphdef, target.state, tokens, taps=(0, 2))
+    _, rev = _forward(target.graphdef, target.state, tokens, taps=(2, 0))
+    assert fwd.shape == (1, 4, 2, 32)
+    np.testing.assert_array_equal(np.asarray(rev), np.asarray(fwd)[:, :, ::-1])
+    assert not np.allclose(np.asarray(fwd[:, :, 0]), np.asarray(fwd[:, :, 1]))
+    with pytest.raises(ValueError, match=r"must lie in 0\.\.2"):
+        _forward(target.graphdef, target.state, tokens, taps=(1, 3))

@@ -65,18 +65,22 @@ class Transformer(nnx.Module):
         int32). positions [B, T]: RoPE positions, default start + 0..T-1 (a DDTree passes
         start + depth). tree [B, T, T] bool: which new tokens each new token sees (default
         causal); every token sees all slots < start. taps: layer ids whose OUTPUT hidden state
-        (HF `hidden_states[id + 1]`) is returned. logits_at: [B, K] indices into T to compute
-        logits for (default: all T).
+        (HF `hidden_states[id + 1]`) is returned, in the order given (a DFlash drafter's
+        target_layer_ids: its fc takes the features in that order). logits_at: [B, K] indices
+        into T to compute logits for (default: all T).
         Returns (logits [B, T or K, V] float32, cache with K/V written, taps [B, T, len, D] or
         None). `cache.lengths` is left for the caller to advance.
         """
         B, T = tokens.shape
+        if any(not 0 <= i < len(self.layers) for i in taps):
+            raise ValueError(f"tap layer ids {tuple(taps)} must lie in 0..{len(self.layers) - 1}"
+                             f" (the target has {len(self.layers)} layers)")  # fmt: skip
         x = self.embed[...][tokens]
         if positions is None:
             positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)
         if tree is None:
             tree = causal_tree(B, T)
-        ks, vs, tapped = [], [], []
+        ks, vs, tapped = [], [], {}
         for i, layer in enumerate(self.layers):
             v_in = cache.v[i] if cache.v else None
             x, k, v = layer(x, positions, start, tree, cache.k[i], v_in)
@@ -84,13 +88,13 @@ class Transformer(nnx.Module):
             if cache.v:
                 vs.append(v)
             if i in taps:
-                tapped.append(x)
+                tapped[i] = x
         h = self.norm(x)
         if logits_at is not None:
             h = jnp.take_along_axis(h, logits_at[:, :, None], axis=1)
         logits = self.logits(h)
         cache = dataclasses.replace(cache, k=ks, v=vs)
-        return logits, cache, (jnp.stack(tapped, axis=2) if tapped else None)
+        return logits, cache, (jnp.stack([tapped[i] for i in taps], axis=2) if taps else None)
 
     def logits(self, h):
         """Final projection [..., D] -> [..., V] in float32 (tied embeddings or lm_head)."""
