@@ -290,7 +290,7 @@ def attend_latent(q, kv, start, tree, scale: float, v_dim: int):
 
     On GPU the Pallas kernel runs where it measured no slower than the reference: plain
     decode (T = 1) at any capacity (Moonlight's batch-1 decode loop 6-8% faster at 512 and
-    4,096 tokens of context, in ~190 fewer kernels a step), and T * H >= 32768 (e.g.
+    4,096 tokens of context, in ~160 fewer kernels a step), and T * H >= 32768 (e.g.
     T >= 256 at H = 128), where it also avoids the reference's [T, H, S] f32 score tensor
     (34 GB at T = 2048, H = 128, S = 32K). Between those the reference's large matmuls win
     (1.3x at T = 17). Decided at trace time.
