@@ -74,6 +74,13 @@ export PYTHONPATH=$HOME/site:$PWD XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
 SITE=$HOME/site
 export PYTHONUNBUFFERED=1
 quiet() { "$@" 2>&1 | tr '\r' '\n' | grep --line-buffered -v -e 'tensor/s' -e '^\s*$' || true; }
+# The end of a two-GPU stage: wait for both jobs, pack their folders into one file (the
+# device returns at most 8 files), show the last $1 lines of each log.
+two_gpus_done() {
+  wait
+  tar -czf "$OUT/results.tar.gz" -C "$OUT" gpu0 gpu1 && rm -r "$OUT/gpu0" "$OUT/gpu1"
+  tail -n "$1" "$OUT"/*.log
+}
 
 case $stage in
 copy)  # bring one part of the GGUF (and the gguf reader) into $HOME
@@ -306,9 +313,7 @@ heads-moe)  # two GPUs, no GGUF. GPU 0: the Moonlight batch-1 decode loop with M
      24576 --formats int4 --variants grouped --iters 20 --grouped-tiles 16,128,64,4,3 \
      16,128,64,4,3,1 64,128,64,4,3 64,128,64,4,3,1 --out "$G/grid_order_int4.json"
   ) > "$OUT/gpu1.log" 2>&1 &
-  wait
-  tar -czf "$OUT/results.tar.gz" -C "$OUT" gpu0 gpu1 && rm -r "$OUT/gpu0" "$OUT/gpu1"
-  tail -n 30 "$OUT"/*.log
+  two_gpus_done 30
   ;;
 split-k)  # two GPUs, no GGUF. GPU 0: the decode loop and the MoE layer profiled, the MoE layer
           # and the Kimi-K2 slice timed (queued calls). GPU 1: the expert GEMV with K split
@@ -332,9 +337,7 @@ split-k)  # two GPUs, no GGUF. GPU 0: the decode loop and the MoE layer profiled
      24576 --formats float --variants grouped --iters 30 --grouped-tiles 16,128,128,8,3 \
      16,128,128,8,3,1 128,64,128,8,3 128,64,128,8,3,1 --out "$G/grid_order_float.json"
   ) > "$OUT/gpu1.log" 2>&1 &
-  wait
-  tar -czf "$OUT/results.tar.gz" -C "$OUT" gpu0 gpu1 && rm -r "$OUT/gpu0" "$OUT/gpu1"
-  tail -n 40 "$OUT"/*.log
+  two_gpus_done 40
   ;;
 layer-final)  # two GPUs, no GGUF. GPU 0: the MoE layer timed twice (queued calls) and profiled
               # at 256 x 16; the layer's expert paths. GPU 1: Moonlight full depth, and the
@@ -356,9 +359,7 @@ layer-final)  # two GPUs, no GGUF. GPU 0: the MoE layer timed twice (queued call
    quiet timeout 150 python bench/profile_step.py --cases moonlight-16b-a3b:1:ar --context 512 \
      --steps 32 --top 40 --out "$G/profile_ar.json"
   ) > "$OUT/gpu1.log" 2>&1 &
-  wait
-  tar -czf "$OUT/results.tar.gz" -C "$OUT" gpu0 gpu1 && rm -r "$OUT/gpu0" "$OUT/gpu1"
-  tail -n 45 "$OUT"/*.log
+  two_gpus_done 45
   ;;
 spread)  # two GPUs, no GGUF: the MoE layer rows (1 x 16, 256 x 16) three times on each GPU, the
          # layer profiled at 256 x 16, the routed experts alone; the INT4 GEMV's parts (GPU 1)
@@ -380,9 +381,7 @@ spread)  # two GPUs, no GGUF: the MoE layer rows (1 x 16, 256 x 16) three times 
      fi
     ) > "$OUT/gpu$gpu.log" 2>&1 &
   done
-  wait
-  tar -czf "$OUT/results.tar.gz" -C "$OUT" gpu0 gpu1 && rm -r "$OUT/gpu0" "$OUT/gpu1"
-  tail -n 30 "$OUT"/*.log
+  two_gpus_done 30
   ;;
 tokamax)  # (carry .tokamax_whl: `pip download --no-deps` of tokamax 0.0.12 and its deps)
           # tokamax into $HOME/tk, then its ragged_dot against kdj's grouped kernel and XLA's
@@ -429,9 +428,7 @@ small-proj)  # two GPUs, no GGUF. Both: the Moonlight batch-1 decode loop profil
      moonlight-16b-a3b:1:ar-xla-small --context 512 --steps 32 --top 60 \
      --out "$G/profile_ar.json"
   ) > "$OUT/gpu1.log" 2>&1 &
-  wait
-  tar -czf "$OUT/results.tar.gz" -C "$OUT" gpu0 gpu1 && rm -r "$OUT/gpu0" "$OUT/gpu1"
-  tail -n 40 "$OUT"/*.log
+  two_gpus_done 40
   ;;
 moe-rows)  # two GPUs, no GGUF: the MoE issue's four rows side by side with the code as committed.
       # GPU 0: the Moonlight batch-1 decode loop (row 1) with A/B cases for its newest rules,
@@ -458,9 +455,7 @@ moe-rows)  # two GPUs, no GGUF: the MoE issue's four rows side by side with the 
      moonlight-16b-a3b:1:ar-xla-latent --context 4096 --steps 32 --top 60 \
      --out "$G/profile_ar_4096.json"
   ) > "$OUT/gpu1.log" 2>&1 &
-  wait
-  tar -czf "$OUT/results.tar.gz" -C "$OUT" gpu0 gpu1 && rm -r "$OUT/gpu0" "$OUT/gpu1"
-  tail -n 40 "$OUT"/*.log
+  two_gpus_done 40
   ;;
 grouped-fused)
   quiet python bench/expert_gather.py --model moonlight-16b-a3b --assignments 96 1536 6144 \

@@ -63,10 +63,12 @@ def _flat_kernel(ids_ref, x_ref, w_ref, s_ref, o_ref, *, words, wpg, bk, bf, var
         else:
             acc, w = carry, words_at(t)
         part = jnp.zeros((bk, bf), jnp.float32)
-        as_float = lax.bitcast_convert_type(w, jnp.float32)
         for n in range(1 if variant == "one-plane" else 8):
             xn = plgpu.load(x_ref.at[i * 8 + n, pl.ds(t * bk, bk)]).astype(jnp.float32)
-            plane = as_float if variant == "fp-only" else expert_gemv._nibbles(w, n)
+            if variant == "fp-only":  # the raw word as a float: no shift or mask
+                plane = lax.bitcast_convert_type(w, jnp.float32)
+            else:
+                plane = expert_gemv._nibbles(w, n)
             part += xn[:, None] * plane
         if variant == "no-scale":
             return acc + part
