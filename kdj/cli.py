@@ -118,6 +118,7 @@ def cmd_bench(args) -> int:
 def cmd_train_drafter(args) -> int:
     from kdj.train.config import TrainConfig
     from kdj.train.loop import run_training
+    from kdj.train.online import run_online
 
     cfg = TrainConfig.from_yaml(args.config)
     for key in ("target", "out_dir"):
@@ -131,7 +132,7 @@ def cmd_train_drafter(args) -> int:
         cfg.drafter.init_from = args.init_from or None  # "" trains from random weights
     if args.num_layers is not None:
         cfg.drafter.num_layers = args.num_layers
-    run_training(cfg)
+    (run_online if cfg.online is not None else run_training)(cfg)
     return 0
 
 

@@ -277,6 +277,35 @@ def test_init_from_an_exported_drafter(target, tmp_path):
     )
 
 
+def test_grow_starts_a_deeper_drafter_where_the_shallow_one_was(target, tmp_path):
+    """drafter.grow: a 2-layer drafter's weights in a 3-layer trainer; the extra layer starts
+    as an identity block, so the first loss equals the 2-layer drafter's on the same batch,
+    and training then moves the new layer."""
+    tokens, mask = pattern_data()
+    cfg = tiny_drafter_cfg(target)
+    a = DrafterTrainer(target, cfg, optim(steps=5), tokens, mask)
+    for _ in range(3):
+        a.train_step()
+    path = a.export(tmp_path / "drafter")
+    taps = list(cfg.target_layer_ids)
+    shape = DrafterShape(num_layers=3, block_size=BLOCK, mask_token_id=VOCAB - 1,
+                         intermediate_size=48, target_layer_ids=taps)  # fmt: skip
+    deep_cfg = drafter_config_for(target.cfg, shape)
+    with pytest.raises(ValueError, match="num_layers: 2 in the checkpoint, 3"):
+        DrafterTrainer(target, deep_cfg, optim(steps=5), tokens, mask, init_from=path)
+    deep = DrafterTrainer(target, deep_cfg, optim(steps=5), tokens, mask, init_from=path, grow=True)
+    same = DrafterTrainer(target, cfg, optim(steps=5), tokens, mask, init_from=path)
+    np.testing.assert_allclose(deep.train_step()["loss"], same.train_step()["loss"], rtol=1e-6)
+    for _ in range(2):  # (the first step's learning rate is warmup's 0)
+        deep.train_step()
+    new = nnx.to_pure_dict(deep.params)["layers"][2]
+    assert float(jnp.abs(new["mlp"]["down"]["kernel"]).max()) > 0  # trained away from zero
+    with pytest.raises(ValueError, match="more than the 1 configured"):
+        one = drafter_config_for(target.cfg, dataclasses.replace(shape, num_layers=1,
+                                 target_layer_ids=None))  # fmt: skip
+        DrafterTrainer(target, one, optim(steps=5), tokens, mask, init_from=path, grow=True)
+
+
 @pytest.mark.parametrize(
     "change, field",
     [
@@ -795,3 +824,91 @@ def test_taps_come_in_the_order_asked(target):
     assert not np.allclose(np.asarray(fwd[:, :, 0]), np.asarray(fwd[:, :, 1]))
     with pytest.raises(ValueError, match=r"must lie in 0\.\.2"):
         _forward(target.graphdef, target.state, tokens, taps=(1, 3))
+
+
+class RoundTokenizer:
+    """One token per character of a small alphabet (ids below the tiny vocabulary), the
+    role-showing template of RoleTokenizer, and a stop token: enough for online rounds."""
+
+    chars = "ua:|qr0123456789. "
+    stop_ids = [VOCAB - 2]
+
+    def apply_chat_template(self, messages):
+        return "".join(f"{m['role'][0]}:{m['content']}|" for m in messages) + "a:"
+
+    def encode(self, text, allow_special=True):
+        return [self.chars.index(c) for c in text if c in self.chars]
+
+    def decode(self, ids, skip_special=False):
+        return "".join(self.chars[i] for i in ids if i < len(self.chars))
+
+
+def test_sharegpt_stream_never_repeats_a_turn_and_pass():
+    from kdj.train.online import sharegpt_stream
+
+    whole = sharegpt_stream(10, seed=3, start=0, count=35)
+    assert len(set(whole)) == 35  # (turn, pass) pairs are distinct
+    for p in range(3):  # each full pass is a permutation of the turns, in its own order
+        assert sorted(t for t, q in whole if q == p) == list(range(10))
+    assert [t for t, q in whole if q == 0] != [t for t, q in whole if q == 1]
+    # a window that starts where the last ended continues the same stream
+    assert sharegpt_stream(10, 3, 0, 17) + sharegpt_stream(10, 3, 17, 18) == whole
+
+
+def test_acceptable_turn_drops_degenerate_user_turns():
+    from kdj.train.online import acceptable_turn
+
+    assert acceptable_turn("How do I sort a list in Python?")
+    assert not acceptable_turn("")
+    assert not acceptable_turn("hi")
+    assert not acceptable_turn("the the the the the the the the the the")
+
+
+def test_online_rounds_train_on_fresh_data_and_resume(target, tmp_path, monkeypatch):
+    """Two calls of one window on a tiny pair: each round draws new stream positions and
+    self-written prompts, trains one pass over them; the second call resumes the checkpoint
+    and the stream where the first stopped; the exported drafter loads."""
+    from kdj.train.config import OnlineConfig, TrainConfig
+    from kdj.train.online import run_online
+
+    tok = RoundTokenizer()
+    monkeypatch.setattr(kdj, "load_target", lambda *a, **k: dataclasses.replace(
+        target, tokenizer=tok))  # fmt: skip
+    path = tmp_path / "sharegpt.json"
+    write_multiturn_sharegpt(path, 16_004)
+    shape = DrafterShape(num_layers=1, block_size=BLOCK, mask_token_id=VOCAB - 1,
+                         intermediate_size=48)  # fmt: skip
+    base = data_cfg(tmp_path, path, turns="all", max_response_tokens=6, gen_batch_size=4)
+    cfg = TrainConfig(
+        out_dir=str(tmp_path / "run"),
+        target_dtype="float32",
+        drafter=shape,
+        data=base.data,
+        online=OnlineConfig(
+            sequences_per_round=8,
+            magpie_fraction=0.5,
+            magpie_max_tokens=10,
+            eval_every_rounds=0,
+            sharegpt_temperatures=[0.0, 1.0],
+        ),  # fmt: skip
+        optim=OptimConfig(steps=4, batch_size=4, anchors_per_seq=4, max_len=80, lr=1e-3),
+    )
+    cfg.eval.num_prompts, cfg.eval.max_new_tokens = 2, 4
+    first = run_online(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, steps=2)),
+                       log=lambda *_: None)  # fmt: skip
+    s1 = first["state"]
+    assert first["steps"] == 2 and s1["rounds"] == 1
+    assert s1["sharegpt_sequences"] + s1["magpie_sequences"] == s1["sequences"] == 8
+    assert s1["stream_pos"] == s1["sharegpt_sequences"] >= 4
+    second = run_online(cfg, log=lambda *_: None)
+    s2 = second["state"]
+    assert second["steps"] == 4 and s2["rounds"] == 2 and s2["magpie_rounds"] == 2
+    assert second["window_start"]["stream_pos"] == s1["stream_pos"]  # resumed, not redrawn
+    assert (
+        s2["stream_pos"] == s1["stream_pos"] + s2["sharegpt_sequences"] - s1["sharegpt_sequences"]
+    )
+    rounds = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").open()]
+    spans = [r["stream"] for r in rounds if "stream" in r]
+    assert spans[0][1] == spans[1][0]  # consecutive, disjoint stream spans
+    drafter = kdj.load_drafter(tmp_path / "run" / "drafter", target=target)
+    assert drafter.cfg.layers.num_layers == 1

@@ -49,6 +49,9 @@ class DrafterShape:
     # start from this DFlash drafter's weights (dir or built-in name) instead of random init;
     # fresh optimiser and schedule; out_dir checkpoints take precedence (see module docstring)
     init_from: str | None = None
+    # init_from may have fewer layers: they become the first layers, the rest start as
+    # identity blocks (kdj.train.loop.grown_params), so training starts from its tau
+    grow: bool = False
 
 
 TURNS = ("first", "all")
@@ -111,6 +114,34 @@ class EvalConfig:
 
 
 @dataclass
+class OnlineConfig:
+    """Online distillation rounds (kdj/train/online.py)."""
+
+    sequences_per_round: int = 8192  # responses per round; each is trained on exactly once
+    magpie_fraction: float = 0.25  # share of a round's prompts the target writes itself
+    sharegpt_temperatures: list[float] = field(default_factory=lambda: [0.7, 1.0])
+    magpie_temperature: float = 1.0  # sampling the self-written user turns
+    magpie_response_temperature: float = 0.0
+    magpie_max_tokens: int = 160  # a user turn longer than this is dropped (cut off)
+    eval_every_rounds: int = 4  # held-out tau every this many rounds (0: only at the end)
+    stream_start: int = 0  # first ShareGPT stream position of this window
+    resume_from: str | None = None  # an earlier window's campaign.json: continue its stream
+    # other drafter shapes (drafter-section dicts) trained side by side on the same rounds,
+    # each in <out_dir>/<name>: an ablation at equal data that shares the generation
+    compare: dict[str, dict] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not 0 <= self.magpie_fraction <= 1:
+            raise ValueError(f"online.magpie_fraction must be in [0, 1]: {self.magpie_fraction}")
+        if self.sequences_per_round < 1:
+            raise ValueError("online.sequences_per_round must be >= 1")
+        if not self.sharegpt_temperatures or min(self.sharegpt_temperatures) < 0:
+            raise ValueError("online.sharegpt_temperatures must be a non-empty list of >= 0")
+        self.compare = {name: s if isinstance(s, DrafterShape) else DrafterShape(**s)
+                        for name, s in self.compare.items()}  # fmt: skip
+
+
+@dataclass
 class TrainConfig:
     target: str = "smollm2-135m-instruct"
     target_dtype: str = "bfloat16"
@@ -120,6 +151,8 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    # online distillation (kdj/train/online.py): fresh responses each round, trained on once
+    online: OnlineConfig | None = None
 
     @property
     def cache_dir(self) -> Path:
@@ -135,6 +168,7 @@ class TrainConfig:
             "data": DataConfig,
             "optim": OptimConfig,
             "eval": EvalConfig,
+            "online": OnlineConfig,
         }
         top = {f.name for f in dataclasses.fields(TrainConfig)}
         unknown = set(d) - top

@@ -284,10 +284,8 @@ def regenerate(
     Prompts are sorted by length so a batch wastes little padding. Every batch has exactly
     batch_size real-or-dummy prompts plus one dummy whose length is the batch's 128-multiple
     bucket, with max_new_tokens=1: so the compiled programs are reused (a handful of prefill
-    shapes, one decode loop) instead of one compile per batch.
+    shapes, one decode loop) instead of one compile per batch (respond_batch).
     """
-    import kdj
-
     if int(samples_per_prompt) != samples_per_prompt or samples_per_prompt < 1:
         raise ValueError(
             f"samples_per_prompt must be a positive integer, not {samples_per_prompt!r}"
@@ -326,21 +324,10 @@ def regenerate(
             bar.update(len(idx))
             continue
         batch = [prompts[i] for i in idx]
-        longest = max(len(p) for p in batch)
-        bucket = max(longest, min(-(-longest // 128) * 128, capacity - 1))
-        pad = batch_size - len(batch)
-        inputs = batch + [[0]] * pad + [[0] * bucket]
-        max_new = [max_new_tokens] * len(batch) + [1] * (pad + 1)
-        out = kdj.generate(
-            target,
-            inputs,
-            method="ar",
-            max_new_tokens=max_new,
-            temperature=temperature,
-            seed=seed + n,
-            cache_size=capacity,
+        responses, tok_s = respond_batch(
+            target, batch, batch_size, max_new_tokens, temperature, seed + n, capacity
         )
-        seqs = [p + r for p, r in zip(batch, out.tokens[: len(batch)])]
+        seqs = [p + r for p, r in zip(batch, responses)]
         offsets = np.cumsum([0] + [len(s) for s in seqs])
         tmp = cache_dir / f"shard_{n:05d}.tmp.npz"
         np.savez(
@@ -354,9 +341,36 @@ def regenerate(
         )
         tmp.rename(path)
         bar.update(len(idx))
-        bar.set_postfix(tok_s=f"{out.stats['tokens_per_s']:.0f}")
+        bar.set_postfix(tok_s=f"{tok_s:.0f}")
     bar.close()
     return cache_dir
+
+
+def respond_batch(target, batch, batch_size, max_new_tokens, temperature, seed, capacity):
+    """The target's responses (AR) to at most batch_size prompts, and the decode tokens/s.
+
+    The batch is padded to exactly batch_size prompts plus one dummy whose length is the
+    batch's 128-multiple bucket (max_new_tokens 1), so batches of similar prompts share one
+    compiled prefill and one decode loop instead of compiling each time."""
+    import kdj
+
+    if len(batch) > batch_size:
+        raise ValueError(f"{len(batch)} prompts for a batch of {batch_size}")
+    longest = max(len(p) for p in batch)
+    bucket = max(longest, min(-(-longest // 128) * 128, capacity - 1))
+    pad = batch_size - len(batch)
+    inputs = batch + [[0]] * pad + [[0] * bucket]
+    max_new = [max_new_tokens] * len(batch) + [1] * (pad + 1)
+    out = kdj.generate(
+        target,
+        inputs,
+        method="ar",
+        max_new_tokens=max_new,
+        temperature=temperature,
+        seed=seed,
+        cache_size=capacity,
+    )
+    return out.tokens[: len(batch)], out.stats["tokens_per_s"]
 
 
 def load_cache(cache_dir, max_len: int):

@@ -84,18 +84,27 @@ def _shape_fields(cfg: DrafterConfig) -> dict:
     }
 
 
-def load_init_params(source, drafter_cfg: DrafterConfig) -> dict:
+def load_init_params(source, drafter_cfg: DrafterConfig, grow: bool = False) -> dict:
     """The weights of an existing DFlash drafter (a published-format directory or a built-in
     name, read by kdj.load_drafter) as a float32 pure dict for a trainer of `drafter_cfg`.
 
     Raises ValueError naming every field where the checkpoint and `drafter_cfg` disagree
     (layers, block size, mask token, feature layers, widths, ...); a checkpoint that leaves a
-    field unset (num_target_layers -1, vocab_size 0) is not held to it."""
+    field unset (num_target_layers -1, vocab_size 0) is not held to it. grow: the checkpoint
+    may have fewer layers than `drafter_cfg` (see grown_params)."""
     from kdj.api import load_drafter
 
     loaded = load_drafter(source, dtype=jnp.float32)
     have, want = _shape_fields(loaded.cfg), _shape_fields(drafter_cfg)
     unset = {"num_target_layers": -1, "vocab_size": 0}
+    if grow:  # the layer count (and the per-layer types it sizes) may only increase
+        if have["num_layers"] > want["num_layers"]:
+            raise ValueError(
+                f"drafter.grow: {str(source)!r} has {have['num_layers']} layers, more than the "
+                f"{want['num_layers']} configured"
+            )
+        for k in ("num_layers", "layer_types"):
+            have[k] = want[k]
     bad = [
         f"{k}: {have[k]} in the checkpoint, {want[k]} configured"
         for k in want
@@ -107,6 +116,24 @@ def load_init_params(source, drafter_cfg: DrafterConfig) -> dict:
             f"(the config's drafter section and the target): {'; '.join(bad)}"
         )
     return nnx.to_pure_dict(loaded.state)
+
+
+def grown_params(fresh: dict, init: dict) -> dict:
+    """A deeper drafter that drafts exactly as `init` does: init's layers first, then the
+    fresh layers as identity blocks (attention output and MLP down projections zero, so each
+    adds nothing to the residual stream until training moves them)."""
+    out = dict(fresh, fc=init["fc"], hidden_norm=init["hidden_norm"], norm=init["norm"])
+    layers = dict(fresh["layers"])
+    for i in layers:
+        if i in init["layers"]:
+            layers[i] = init["layers"][i]
+        else:
+            layer = jax.tree.map(lambda x: x, layers[i])
+            layer["attn"]["o"]["kernel"] = jnp.zeros_like(layer["attn"]["o"]["kernel"])
+            layer["mlp"]["down"]["kernel"] = jnp.zeros_like(layer["mlp"]["down"]["kernel"])
+            layers[i] = layer
+    out["layers"] = layers
+    return out
 
 
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
@@ -129,29 +156,22 @@ def _loss(params, dgraph, tgraph, tstate, batch, compute_dtype, gamma):
     return block_loss(drafter, target, feats, tokens, loss_mask, anchors, ok, gamma)
 
 
-def _train_step(tx, dgraph, tgraph, compute_dtype, gamma, params, opt_state, tstate, batch):
+@functools.partial(
+    jax.jit, static_argnames=("optim", "dgraph", "tgraph"), donate_argnames=("params", "opt_state")
+)
+def _train_step(params, opt_state, tstate, batch, *, optim: tuple, dgraph, tgraph):
+    """One AdamW step. optim: OptimConfig as a tuple (hashable: part of the jit key, so
+    trainers of one config and graphs share the compiled step through jit's own cache)."""
+    cfg = OptimConfig(*optim)
+    tx = make_optimizer(cfg)
     grad_fn = jax.value_and_grad(_loss, has_aux=True)
-    (loss, metrics), grads = grad_fn(params, dgraph, tgraph, tstate, batch, compute_dtype, gamma)
+    (loss, metrics), grads = grad_fn(
+        params, dgraph, tgraph, tstate, batch, jnp.dtype(cfg.compute_dtype), cfg.gamma
+    )
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
     return params, opt_state, metrics
-
-
-_STEPS: dict = {}
-
-
-def _compiled_step(optim: OptimConfig, dgraph, tgraph):
-    """(optimizer, jitted train step) shared by trainers of the same config and graphs, so a
-    resumed trainer in the same process reuses the compiled step."""
-    key = (dataclasses.astuple(optim), dgraph, tgraph)
-    if key not in _STEPS:
-        tx = make_optimizer(optim)
-        step = functools.partial(
-            _train_step, tx, dgraph, tgraph, jnp.dtype(optim.compute_dtype), optim.gamma
-        )
-        _STEPS[key] = (tx, jax.jit(step, donate_argnums=(0, 1)))
-    return _STEPS[key]
 
 
 class DrafterTrainer:
@@ -161,8 +181,9 @@ class DrafterTrainer:
     learns to draft) are host arrays; each step takes optim.batch_size rows.
 
     init_from: an existing DFlash drafter (directory or built-in name) to start from instead
-    of the random initialisation (load_init_params; a shape mismatch is a ValueError). The
-    optimiser and schedule start fresh either way; restore() then overrides both.
+    of the random initialisation (load_init_params; a shape mismatch is a ValueError); with
+    grow, it may have fewer layers (grown_params). The optimiser and schedule start fresh
+    either way; restore() then overrides both.
     """
 
     def __init__(
@@ -174,6 +195,7 @@ class DrafterTrainer:
         loss_mask,
         out_dir=None,
         init_from=None,
+        grow: bool = False,
     ):
         self.target, self.optim, self.cfg = target, optim, drafter_cfg
         self.tokens, self.loss_mask = np.asarray(tokens, np.int32), np.asarray(loss_mask, bool)
@@ -181,9 +203,11 @@ class DrafterTrainer:
         model = build_drafter(drafter_cfg, jnp.float32, seed=optim.seed)
         if init_from is not None:  # replace the random weights before any sharding
             state = nnx.state(model)
-            init = load_init_params(init_from, drafter_cfg)
-            want = jax.tree.map(jnp.shape, nnx.to_pure_dict(state))
-            if jax.tree.map(jnp.shape, init) != want:  # the field check should catch it first
+            fresh = nnx.to_pure_dict(state)
+            init = load_init_params(init_from, drafter_cfg, grow=grow)
+            if grow:
+                init = grown_params(fresh, init)
+            if jax.tree.map(jnp.shape, init) != jax.tree.map(jnp.shape, fresh):
                 raise ValueError(f"drafter.init_from {str(init_from)!r}: parameter shapes differ")
             nnx.replace_by_pure_dict(state, init)
             nnx.update(model, state)
@@ -192,18 +216,19 @@ class DrafterTrainer:
 
             shard_model(model, target.sharding)
         self.graphdef, self.params = nnx.split(model)
-        self.tx, self._step_fn = _compiled_step(optim, self.graphdef, target.graphdef)
-        self.opt_state = self.tx.init(self.params)
+        self.opt_state = make_optimizer(optim).init(self.params)
         self.step = 0
+        self.data_start = 0  # the step the current data (set_data) started at
         self._ckpt = None
 
     # ------------------------------------------------------------------ data
     def batch(self, step: int):
-        """The batch of `step`: rows of a per-epoch permutation (seeded by epoch) and random
-        anchors seeded by step. Returns host arrays (tokens, loss_mask, anchors, anchor_ok)."""
+        """The batch of `step`: rows of a per-epoch permutation of the current data (seeded by
+        epoch, counted from set_data) and random anchors seeded by step. Returns host arrays
+        (tokens, loss_mask, anchors, anchor_ok)."""
         n, bs = len(self.tokens), self.optim.batch_size
         per_epoch = max(1, n // bs)
-        epoch, i = divmod(step, per_epoch)
+        epoch, i = divmod(step - self.data_start, per_epoch)
         perm = np.random.default_rng([self.optim.seed, epoch]).permutation(n)
         rows = perm[i * bs : (i + 1) * bs]
         if rows.size < bs:  # fewer sequences than one batch: wrap around
@@ -214,13 +239,27 @@ class DrafterTrainer:
         return tokens, mask, anchors, ok
 
     # ------------------------------------------------------------------ steps
+    def set_data(self, tokens, loss_mask) -> None:
+        """Train on new sequences from the current step on (online distillation): batches
+        then walk a fresh permutation of these rows, each row once per pass."""
+        self.tokens, self.loss_mask = np.asarray(tokens, np.int32), np.asarray(loss_mask, bool)
+        self.data_start = self.step
+
     def train_step(self) -> dict:
+        """One optimiser step. The metrics stay on the device (scalars): reading them is a
+        host sync, which the loop does only when it logs."""
         batch = tuple(jnp.asarray(x) for x in self.batch(self.step))
-        self.params, self.opt_state, metrics = self._step_fn(
-            self.params, self.opt_state, self.target.state, batch
+        self.params, self.opt_state, metrics = _train_step(
+            self.params,
+            self.opt_state,
+            self.target.state,
+            batch,
+            optim=dataclasses.astuple(self.optim),
+            dgraph=self.graphdef,
+            tgraph=self.target.graphdef,
         )
         self.step += 1
-        return {k: float(v) for k, v in metrics.items()}
+        return metrics
 
     # ------------------------------------------------------------------ checkpoints
     def _manager(self):
@@ -450,7 +489,9 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
 
     dcfg = drafter_config_for(target.cfg, cfg.drafter)
     init_from = cfg.drafter.init_from
-    trainer = DrafterTrainer(target, dcfg, cfg.optim, tokens, mask, out, init_from=init_from)
+    trainer = DrafterTrainer(
+        target, dcfg, cfg.optim, tokens, mask, out, init_from=init_from, grow=cfg.drafter.grow
+    )
     eval_prompts = chat_prompts(
         tok, evals["sharegpt"][: cfg.eval.num_prompts], cfg.data.max_prompt_tokens
     )
