@@ -317,7 +317,11 @@ def generate(
     decoding, every step a "skip". max_new_tokens
     may be one int or one per prompt; stop_tokens one list or one list per prompt (default:
     the tokenizer's end-of-turn ids, else the config's eos). cache_size fixes the KV-cache
-    capacity (default: the longest prompt + max_new_tokens, rounded up).
+    capacity (default: the longest prompt + max_new_tokens, rounded up to a multiple of 128
+    within max_position_embeddings). A tree (tree_budget, a menu's treeN) larger than the
+    cache can hold after the shortest prompt is cut to that size: stats["tree_budget"] /
+    stats["menu"] say what ran. Bad arguments raise TypeError/ValueError before anything
+    compiles (kdj.arguments); an argument the method does not use is refused, not ignored.
     """
     arguments.loaded(target, Target, "target", "kdj.load_target")
     if drafter is not None:

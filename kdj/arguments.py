@@ -101,7 +101,18 @@ def method(name, has_drafter: bool, **given) -> str:
 
 
 def _is_ids(p) -> bool:
-    return isinstance(p, (list, tuple, np.ndarray)) and not isinstance(p, str)
+    """A sequence of token ids: a list, tuple or array (numpy, jax) of at least one axis."""
+    return isinstance(p, (list, tuple)) or (hasattr(p, "__array__") and np.ndim(p) >= 1)
+
+
+def _as_list(value):
+    """An array (numpy, jax) as nested Python lists; anything else as it is."""
+    if hasattr(value, "__array__") and not isinstance(value, (list, tuple)):
+        arr = np.asarray(value)
+        if arr.ndim and not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"token ids must be integers (got an array of dtype {arr.dtype})")
+        return arr.tolist()
+    return value
 
 
 def prompts(value) -> list:
@@ -109,7 +120,8 @@ def prompts(value) -> list:
     prompt, a 2-D integer array is one prompt per row."""
     if isinstance(value, str):
         return [value]
-    if isinstance(value, np.ndarray):
+    if hasattr(value, "__array__") and not isinstance(value, (list, tuple)):
+        value = np.asarray(value)
         if value.ndim != 2:
             raise TypeError(
                 f"prompts must be a list of prompts; got a {value.ndim}-D array (a batch of "
@@ -159,7 +171,7 @@ def token_ids(value, i: int, vocab_size: int) -> list[int]:
 
 def _int_ids(row, what: str) -> list[int]:
     out = []
-    for t in row:
+    for t in _as_list(row):
         if _is_ids(t):
             raise TypeError(f"{what} must be a flat list of token ids (it is nested)")
         if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
@@ -274,7 +286,7 @@ def menu(value):
 
 def forward_tokens(token_ids, vocab_size: int, max_positions: int) -> np.ndarray:
     """forward's input as an int32 [B, T] array of equal-length rows of in-vocabulary ids."""
-    rows = token_ids.tolist() if isinstance(token_ids, np.ndarray) else token_ids
+    rows = _as_list(token_ids)
     if isinstance(rows, Sequence) and rows and not any(_is_ids(r) for r in rows):
         rows = [rows]
     if not isinstance(rows, Sequence) or not rows or not all(_is_ids(r) for r in rows):
