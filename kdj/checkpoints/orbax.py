@@ -107,7 +107,8 @@ def restore(path: str | Path, dtype=None, mesh=None, rules=None):
         with ocp.StandardCheckpointer() as ckptr:
             state = ckptr.restore(path / "params", abstract)
     except Exception as e:  # TensorStore/Orbax raise many kinds, each with a long dump
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = first.split(" See full")[0][:160]  # drop the pointer to TensorStore's dump
         raise ValueError(f"{path / 'params'}: cannot read the converted weights ({first}); "
                          "the files are damaged: run kdj convert again") from None  # fmt: skip
     return nnx.merge(graphdef, state)
