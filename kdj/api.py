@@ -29,7 +29,7 @@ BUILTIN_TARGETS = ("smollm2-135m-instruct",)
 # Drafters shipped inside the package (kdj/assets/<name>/, published DFlash format).
 ASSETS = Path(__file__).resolve().parent / "assets"
 BUILTIN_DRAFTERS = ("smollm2-135m-dflash-b16",)
-METHODS = ("ar", "dflash", "ddtree", "auto")
+METHODS = arguments.METHODS
 DEFAULT_TREE_BUDGET = 64  # DDTree nodes per step when the caller gives none
 # method="auto": what a step may verify, chosen per step by the controller. Each entry is
 # compiled once into the same program; "chain" means the drafter's full block. A drafting

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
+METHODS = ("ar", "dflash", "ddtree", "auto")
 # The floating dtypes kdj's models and kernels run in (float64 would silently run as float32
 # with jax's default x64 off; integer weights would be truncated).
 DTYPES = ("float32", "bfloat16")
@@ -85,8 +86,6 @@ def loaded(obj, cls, name: str, loader: str):
 def method(name, has_drafter: bool, **given) -> str:
     """The method to run ("auto" without a drafter is "ar"); `given` are the method-specific
     arguments the caller passed (None = not given): one that the method does not use raises."""
-    from kdj.api import METHODS
-
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose from {METHODS}")
     run = "ar" if name == "auto" and not has_drafter else name
