@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kdj import arguments
 from kdj.cache import init_cache
 from kdj.config import ModelConfig
 from kdj.cost import StepCost
@@ -28,7 +29,7 @@ BUILTIN_TARGETS = ("smollm2-135m-instruct",)
 # Drafters shipped inside the package (kdj/assets/<name>/, published DFlash format).
 ASSETS = Path(__file__).resolve().parent / "assets"
 BUILTIN_DRAFTERS = ("smollm2-135m-dflash-b16",)
-METHODS = ("ar", "dflash", "ddtree", "auto")
+METHODS = arguments.METHODS
 DEFAULT_TREE_BUDGET = 64  # DDTree nodes per step when the caller gives none
 # method="auto": what a step may verify, chosen per step by the controller. Each entry is
 # compiled once into the same program; "chain" means the drafter's full block. A drafting
@@ -86,7 +87,7 @@ def load_target(source, dtype="bfloat16", mesh=None, quantized_experts=False) ->
     from kdj.checkpoints.loader import load_hf, load_params
     from kdj.checkpoints.orbax import is_orbax_dir, restore
 
-    dtype = jnp.dtype(dtype)
+    dtype = arguments.dtype(dtype)
     sharding = as_sharding(mesh)
     mesh_kw = {} if sharding is None else {"mesh": sharding.mesh, "rules": sharding.rules}
     src = str(source)
@@ -160,11 +161,16 @@ class Drafter:
         graphdef, state = nnx.split(model)
         return Drafter(model.cfg, graphdef, state, name, sharding)
 
-    def save(self, path) -> Path:
-        """Write the published DFlash checkpoint format (config.json + model.safetensors)."""
+    def save(self, path, overwrite: bool = False) -> Path:
+        """Write the published DFlash checkpoint format (config.json + model.safetensors) and
+        the calibration (calibration.json). A non-empty directory is refused unless
+        overwrite=True, which replaces only those files (kdj.checkpoints.dflash.save_drafter)."""
         from kdj.checkpoints.dflash import save_drafter
 
-        return save_drafter(self.model, path)
+        calibration = {"temperature": self.calibration,
+                       "realised_acceptance": self.prior_acceptance,
+                       "realised_by_entry": self.entry_acceptance}  # fmt: skip
+        return save_drafter(self.model, path, calibration=calibration, overwrite=overwrite)
 
 
 def load_drafter(source, target: Target | None = None, dtype=None, mesh=None) -> Drafter:
@@ -174,7 +180,9 @@ def load_drafter(source, target: Target | None = None, dtype=None, mesh=None) ->
     from kdj.checkpoints.dflash import load_drafter_checkpoint
     from kdj.train import calibrate
 
-    dtype = jnp.dtype(dtype or (target.dtype if target is not None else "bfloat16"))
+    if target is not None:
+        arguments.loaded(target, Target, "target", "kdj.load_target")
+    dtype = arguments.dtype(dtype or (target.dtype if target is not None else "bfloat16"))
     path = Path(source)
     if str(source) in BUILTIN_DRAFTERS and not path.exists():
         path = ASSETS / str(source)
@@ -255,46 +263,20 @@ def _output_specs(exe, like):
 
 
 def _as_token_lists(target: Target, prompts, tokenizer: Tokenizer | None) -> list[list[int]]:
-    if isinstance(prompts, str):
-        prompts = [prompts]
-    if not prompts:
-        raise ValueError("no prompts given")
     out = []
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(arguments.prompts(prompts)):
         if isinstance(p, str):
             if tokenizer is None:
                 raise ValueError("text prompts need a tokenizer (pass tokenizer= or token ids)")
-            p = tokenizer.encode(p)
-        p = [int(t) for t in p]
-        if not p:
-            raise ValueError(f"prompt {i} is empty")
-        bad = [t for t in p if not 0 <= t < target.cfg.vocab_size]
-        if bad:
-            vocab = target.cfg.vocab_size
-            raise ValueError(
-                f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {vocab})"
-            )
-        out.append(p)
+            p = tokenizer.encode(arguments.text(p, i))
+        out.append(arguments.token_ids(p, i, target.cfg.vocab_size))
     return out
 
 
-def _per_sequence(value, n: int, what: str) -> list:
-    if isinstance(value, (list, tuple)):
-        if len(value) != n:
-            raise ValueError(f"{what} has {len(value)} entries for {n} prompts")
-        return list(value)
-    return [value] * n
-
-
-def _stop_matrix(stop_tokens, n: int, default) -> np.ndarray:
-    """Per-sequence stop ids as [B, K] int32, padded with -1."""
-    if stop_tokens is None:
-        rows = [list(default)] * n
-    elif stop_tokens and all(isinstance(s, (list, tuple)) for s in stop_tokens):
-        rows = _per_sequence([list(s) for s in stop_tokens], n, "stop_tokens")
-    else:
-        rows = [list(stop_tokens)] * n
-    width = max(1, max(len(r) for r in rows))
+def _stop_matrix(rows) -> np.ndarray:
+    """Per-sequence stop ids as [B, K] int32, padded with -1 (K a multiple of 4, so calls
+    with a few stop ids more or less share a compile)."""
+    width = _round_up(max(1, max(len(r) for r in rows)), 4)
     return np.array([r + [-1] * (width - len(r)) for r in rows], np.int32)
 
 
@@ -335,25 +317,30 @@ def generate(
     decoding, every step a "skip". max_new_tokens
     may be one int or one per prompt; stop_tokens one list or one list per prompt (default:
     the tokenizer's end-of-turn ids, else the config's eos). cache_size fixes the KV-cache
-    capacity (default: the longest prompt + max_new_tokens, rounded up).
+    capacity (default: the longest prompt + max_new_tokens, rounded up to a multiple of 128
+    within max_position_embeddings). A tree (tree_budget, a menu's treeN) larger than the
+    cache can hold after the shortest prompt is cut to that size: stats["tree_budget"] /
+    stats["menu"] say what ran. Bad arguments raise TypeError/ValueError before anything
+    compiles (kdj.arguments); an argument the method does not use is refused, not ignored.
     """
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
-    if method == "auto" and drafter is None:
-        method = "ar"
+    arguments.loaded(target, Target, "target", "kdj.load_target")
+    if drafter is not None:
+        arguments.loaded(drafter, Drafter, "drafter", "kdj.load_drafter")
+    method = arguments.method(method, drafter is not None, block_size=block_size,
+                              tree_budget=tree_budget, menu=menu)  # fmt: skip
+    temperature, top_p = arguments.sampling(temperature, top_p)
+    seed = arguments.integer(seed, "seed")
+    if calibration is not None:
+        calibration = arguments.calibration(calibration)
+    menu = arguments.menu(menu)
     speculative_ = method in ("dflash", "ddtree", "auto")
-    if speculative_ and drafter is None:
-        raise ValueError(f"method {method!r} needs a drafter (kdj.load_drafter)")
     if speculative_:
+        if block_size is not None:
+            block_size = arguments.integer(block_size, "block_size")
         block_size = _check_pair(target, drafter, block_size)
     if method == "ddtree":
-        tree_budget = DEFAULT_TREE_BUDGET if tree_budget is None else int(tree_budget)
-        if tree_budget < 1:
-            raise ValueError(f"tree_budget must be >= 1 (got {tree_budget})")
-    elif tree_budget is not None:
-        raise ValueError(f"tree_budget applies to method 'ddtree', not {method!r}")
-    if menu is not None and method != "auto":
-        raise ValueError(f"menu applies to method 'auto' with a drafter, not {method!r}")
+        tree_budget = DEFAULT_TREE_BUDGET if tree_budget is None else tree_budget
+        tree_budget = arguments.integer(tree_budget, "tree_budget", 1)
     if speculative_:
         calibration = drafter.calibration if calibration is None else calibration
         shapes = _menu(method, menu, block_size, tree_budget)
@@ -363,10 +350,6 @@ def generate(
             if not cost.draft_bytes:  # a target-only fit: add this drafter's pass
                 n_params = sum(int(x.size) for x in jax.tree.leaves(drafter.state))
                 cost = cost.with_drafter(drafter.cfg, n_params, target.cfg)
-        if not calibration > 0:
-            raise ValueError(f"calibration must be a positive temperature (got {calibration})")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1 (got {temperature}, {top_p})")
     if mesh is not None and as_sharding(mesh) != target.sharding:
         raise ValueError("the target lives on another mesh: load it with load_target(mesh=...)")
     sharding = target.sharding
@@ -380,30 +363,23 @@ def generate(
     tokenizer = tokenizer or target.tokenizer
     ids = _as_token_lists(target, prompts, tokenizer)
     B = len(ids)
-    max_new = [int(m) for m in _per_sequence(max_new_tokens, B, "max_new_tokens")]
-    if min(max_new) < 1:
-        raise ValueError("max_new_tokens must be >= 1")
+    max_new = arguments.max_new_tokens(max_new_tokens, B)
     # A batch split over devices must divide evenly: pad with one-token dummy sequences.
     shards = 1 if sharding is None else sharding.size("batch")
     pad = -B % shards
     ids, max_new = ids + [[0]] * pad, max_new + [1] * pad
     lens = [len(p) for p in ids]
-    need = max(n + m for n, m in zip(lens, max_new))
-    capacity = cache_size or _round_up(need, 128)
-    for i, (n, m) in enumerate(zip(lens, max_new)):
-        if n + m > capacity:
-            raise ValueError(
-                f"prompt {i} has {n} tokens; with max_new_tokens={m} it needs {n + m} cache "
-                f"slots but the cache holds {capacity}"
-            )
-    if capacity > target.cfg.max_position_embeddings:
-        raise ValueError(
-            f"a cache of {capacity} positions exceeds the model's max_position_embeddings "
-            f"({target.cfg.max_position_embeddings})"
-        )
+    capacity = arguments.cache_capacity(
+        lens, max_new, cache_size, target.cfg.max_position_embeddings
+    )
     default_stop = tokenizer.stop_ids if tokenizer is not None else target.cfg.eos_token_ids
-    stop = jnp.asarray(_stop_matrix(stop_tokens, B, sorted(default_stop)))
+    stop_rows = arguments.stop_rows(stop_tokens, B, sorted(default_stop), target.cfg.vocab_size)
+    stop = jnp.asarray(_stop_matrix(stop_rows))
     stop = jnp.concatenate([stop, jnp.full((pad, stop.shape[1]), -1, jnp.int32)])
+    if speculative_:  # no step can verify more nodes than the cache has room for
+        requested = tree_budget
+        shapes = arguments.cap_trees(shapes, arguments.tree_cap(capacity, lens[:B]))
+        tree_budget = shapes[0].size if method == "ddtree" else None
 
     if method == "auto" and len(shapes) > 1:
         context = float(np.mean(lens) + np.mean(max_new) / 2)  # mean over the decode
@@ -477,7 +453,8 @@ def generate(
         stats["draft_choice_counts"] = {n: picked.count(n) for n in names}
     if method == "ddtree":
         sizes = [int(s) for row in res["sizes"][:B] for s in row if s > 0]
-        stats["tree_budget"] = tree_budget
+        stats["tree_budget"] = tree_budget  # what ran: capped by what fits in the cache
+        stats["tree_budget_requested"] = requested
         stats["mean_tree_size"] = float(np.mean(sizes)) if sizes else float("nan")
         stats["mean_accepted_depth"] = stats["mean_acceptance"] - 1
     return GenerateOutput(tokens=toks, texts=texts, stats=stats)
@@ -581,15 +558,9 @@ def _run_speculative(drafter, block_size, shapes, cost, calibration, target, tok
 
 def forward(target: Target, token_ids) -> np.ndarray:
     """Full-sequence logits [B, T, V] float32 with no cache reuse (parity and research)."""
-    arr = np.asarray(token_ids)
-    if arr.ndim == 1:
-        arr = arr[None]
-    if arr.ndim != 2 or arr.dtype == object:
-        raise ValueError("forward takes token ids of shape [B, T] (equal lengths)")
-    if arr.size == 0:
-        raise ValueError("forward needs at least one token")
-    if arr.min() < 0 or arr.max() >= target.cfg.vocab_size:
-        raise ValueError(f"token id outside the vocabulary [0, {target.cfg.vocab_size})")
+    arguments.loaded(target, Target, "target", "kdj.load_target")
+    cfg = target.cfg
+    arr = arguments.forward_tokens(token_ids, cfg.vocab_size, cfg.max_position_embeddings)
     return np.asarray(_forward(target.graphdef, target.state, jnp.asarray(arr, jnp.int32))[0])
 
 

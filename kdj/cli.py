@@ -41,8 +41,15 @@ def _run_config(path: str | None) -> dict:
         unknown = set(run) - set(DEFAULTS)
         if unknown:
             raise SystemExit(f"{path}: unknown keys {sorted(unknown)}; expected {sorted(DEFAULTS)}")
+        decode = run.get("decode") or {}
+        if not isinstance(decode, dict):
+            raise SystemExit(f"{path}: decode must be a mapping of generate arguments")
+        typos = set(decode) - set(DEFAULTS["decode"])
+        if typos:  # before any target loads
+            raise SystemExit(f"{path}: unknown decode keys {sorted(typos)}; expected "
+                             f"{sorted(DEFAULTS['decode'])}")  # fmt: skip
         cfg.update({k: v for k, v in run.items() if k != "decode"})
-        cfg["decode"].update(run.get("decode") or {})
+        cfg["decode"].update(decode)
     return cfg
 
 
@@ -92,10 +99,14 @@ def cmd_generate(args) -> int:
 
 def cmd_convert(args) -> int:
     import kdj
+    from kdj import arguments
+    from kdj.checkpoints import staging
     from kdj.checkpoints.orbax import save
 
+    arguments.dtype(args.dtype)
+    staging.check_destination(args.dest)  # before the (long) load of the source
     target = kdj.load_target(args.source, dtype=args.dtype)
-    path = save(target.model, args.dest)
+    path = save(target.model, args.dest, target.tokenizer, args.source)
     print(f"saved {target.name} ({target.cfg.model_type}) to {path}")
     return 0
 
@@ -188,28 +199,63 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kdj", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
+    run = "default: the run YAML's, else"
     g = sub.add_parser("generate", help="generate text (default: the embedded SmolLM2 model)")
-    g.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
-    g.add_argument("--config", help="run YAML, e.g. configs/runs/smollm2.yaml")
-    g.add_argument("--target", help="HF dir, .gguf, kdj convert dir or built-in name")
-    g.add_argument("--drafter", help="DFlash drafter checkpoint dir (published format)")
-    g.add_argument("--block-size", type=int, help="run the drafter at a smaller block")
-    g.add_argument("--tree-budget", type=int, help="DDTree: draft-tree nodes per step")
-    g.add_argument("--dtype", help="float32 | bfloat16 | auto")
-    g.add_argument("--method", choices=["ar", "dflash", "ddtree", "auto"])
-    g.add_argument("--max-new-tokens", type=int)
-    g.add_argument("--temperature", type=float)
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--no-chat", action="store_true", help="feed prompts raw, no chat template")
+    g.add_argument(
+        "--prompt",
+        action="append",
+        help="a prompt (repeat for a batch; default: one sample question)",
+    )
+    g.add_argument("--config", help="run YAML, e.g. configs/runs/smollm2.yaml (default: none)")
+    g.add_argument(
+        "--target",
+        help=f"HF dir, .gguf, kdj convert dir or built-in name ({run} {DEFAULTS['target']})",
+    )
+    g.add_argument(
+        "--drafter",
+        help="DFlash drafter checkpoint dir (published format) or "
+        f"built-in name ({run} none: plain decoding)",
+    )
+    g.add_argument(
+        "--block-size",
+        type=int,
+        help=f"run the drafter at a smaller block ({run} the drafter's own)",
+    )
+    g.add_argument(
+        "--tree-budget",
+        type=int,
+        help=f"DDTree: draft-tree nodes per step ({run} 64 with --method ddtree)",
+    )
+    g.add_argument(
+        "--dtype",
+        help=f"float32 | bfloat16 | auto ({run} auto: float32 on CPU, bfloat16 on GPU/TPU)",
+    )
+    g.add_argument(
+        "--method",
+        choices=["ar", "dflash", "ddtree", "auto"],
+        help=f"decoding method ({run} auto: per step, with a drafter)",
+    )
+    g.add_argument("--max-new-tokens", type=int, help=f"tokens to generate per prompt ({run} 128)")
+    g.add_argument("--temperature", type=float, help=f"sampling temperature, 0 = greedy ({run} 0)")
+    g.add_argument("--top-p", type=float, help=f"nucleus sampling mass in (0, 1] ({run} 1)")
+    g.add_argument("--seed", type=int, help=f"sampling seed ({run} 0)")
+    g.add_argument(
+        "--no-chat",
+        action="store_true",
+        help="feed prompts raw, no chat template (default: the chat template)",
+    )
     g.set_defaults(fn=cmd_generate)
     c = sub.add_parser("convert", help="convert a checkpoint to kdj's Orbax format")
-    c.add_argument("source")
-    c.add_argument("dest")
-    c.add_argument("--dtype", default="bfloat16")
+    c.add_argument("source", help="HF checkpoint dir, .gguf file or built-in name")
+    c.add_argument("dest", help="new (absent or empty) directory to write")
+    c.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="weights dtype, float32 | bfloat16 (default: %(default)s)",
+    )
     c.set_defaults(fn=cmd_convert)
     # "+" as its only prefix: every "--option" after `bench` is passed through untouched.
     b = sub.add_parser("bench", help="roofline of one target step (bench/roofline.py --help)",
@@ -218,44 +264,94 @@ def main(argv=None) -> int:
     b.set_defaults(fn=cmd_bench)
     t = sub.add_parser("train-drafter", help="train a DFlash drafter for a target (kdj.train)")
     t.add_argument("--config", required=True, help="training YAML, e.g. configs/train/*.yaml")
-    t.add_argument("--target", help="override the config's target")
-    t.add_argument("--out-dir", help="override the config's out_dir")
-    t.add_argument("--steps", type=int, help="override optim.steps")
-    t.add_argument("--max-minutes", type=float, help="stop (checkpoint + export) after this")
+    keep = "default: the config's"
+    t.add_argument("--target", help=f"override the config's target ({keep})")
+    t.add_argument("--out-dir", help=f"override the config's out_dir ({keep})")
+    t.add_argument("--steps", type=int, help=f"override optim.steps ({keep})")
+    t.add_argument(
+        "--max-minutes",
+        type=float,
+        help="stop (checkpoint + export) after this (default: optim.max_minutes)",
+    )
     t.add_argument(
         "--init-from",
         help="override drafter.init_from: a DFlash drafter dir or built-in name to continue "
-        'training from ("" for random init)',
+        f'training from ("" for random init; {keep})',
     )
-    t.add_argument("--num-layers", type=int, help="override drafter.num_layers (ablations)")
+    t.add_argument(
+        "--num-layers", type=int, help=f"override drafter.num_layers (ablations; {keep})"
+    )
     t.set_defaults(fn=cmd_train_drafter)
     e = sub.add_parser("eval-acceptance", help="tau and speed of DFlash / DDTree vs AR")
     e.add_argument("--drafter", required=True, help="DFlash drafter checkpoint dir")
-    e.add_argument("--target", default="smollm2-135m-instruct")
-    e.add_argument("--dtype", default="auto")
-    e.add_argument("--out", default="out/acceptance", help="folder for the JSON and PNG")
+    d = " (default: %(default)s)"
+    e.add_argument("--target", default="smollm2-135m-instruct", help="target to evaluate" + d)
+    e.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto" + d)
+    e.add_argument("--out", default="out/acceptance", help="folder for the JSON and PNG" + d)
     e.add_argument("--prompts", help="eval_prompts.json (default: read the dataset packages)")
-    e.add_argument("--num-prompts", type=int, default=16)
-    e.add_argument("--max-prompt-tokens", type=int, default=512)
-    e.add_argument("--max-new-tokens", type=int, default=256)
-    e.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128, 256])
-    e.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    e.add_argument("--num-prompts", type=int, default=16, help="prompts per dataset" + d)
+    e.add_argument(
+        "--max-prompt-tokens", type=int, default=512, help="longer prompts are cut to this" + d
+    )
+    e.add_argument(
+        "--max-new-tokens", type=int, default=256, help="tokens generated per prompt" + d
+    )
+    e.add_argument(
+        "--budgets",
+        type=int,
+        nargs="+",
+        default=[16, 32, 64, 128, 256],
+        help="DDTree budgets to run" + d,
+    )
+    e.add_argument(
+        "--temperatures",
+        type=float,
+        nargs="+",
+        default=[0.0, 1.0],
+        help="sampling temperatures to run" + d,
+    )
     e.add_argument("--datasets", nargs="+", choices=["sharegpt", "humaneval"],
-                   default=["sharegpt", "humaneval"], help="held-out sets to run")  # fmt: skip
+                   default=["sharegpt", "humaneval"], help="held-out sets to run" + d)  # fmt: skip
     e.set_defaults(fn=cmd_eval_acceptance)
     k = sub.add_parser("calibrate", help="fit the drafter's forecast temperature (method=auto)")
     k.add_argument("--drafter", required=True, help="DFlash drafter dir or built-in name")
-    k.add_argument("--target", default="smollm2-135m-instruct")
-    k.add_argument("--dtype", default="auto")
-    k.add_argument("--method", choices=["dflash", "ddtree"], default="ddtree")
-    k.add_argument("--tree-budget", type=int, default=16)
-    k.add_argument("--temperatures", type=float, nargs="+", default=[0.5, 0.7, 1.0, 1.5, 2.0])
-    k.add_argument("--num-prompts", type=int, default=8, help="held-out ShareGPT prompts")
-    k.add_argument("--max-new-tokens", type=int, default=64)
-    k.add_argument("--save", action="store_true", help="write calibration.json beside it")
+    k.add_argument("--target", default="smollm2-135m-instruct", help="its target" + d)
+    k.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto" + d)
+    k.add_argument(
+        "--method",
+        choices=["dflash", "ddtree"],
+        default="ddtree",
+        help="method whose steps are forecast" + d,
+    )
+    k.add_argument("--tree-budget", type=int, default=16, help="DDTree budget" + d)
+    k.add_argument(
+        "--temperatures",
+        type=float,
+        nargs="+",
+        default=[0.5, 0.7, 1.0, 1.5, 2.0],
+        help="candidate forecast temperatures" + d,
+    )
+    k.add_argument("--num-prompts", type=int, default=8, help="held-out ShareGPT prompts" + d)
+    k.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt" + d)
+    k.add_argument(
+        "--save",
+        action="store_true",
+        help="write calibration.json beside the drafter (default: only print)",
+    )
     k.set_defaults(fn=cmd_calibrate)
-    args = p.parse_args(argv)
-    return args.fn(args)
+    return p
+
+
+# Bad input the commands report in one line (the message names the problem and the fix).
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, NotImplementedError)
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except USER_ERRORS as e:
+        raise SystemExit(f"kdj {args.cmd}: {e}") from e
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import yaml
 LLAMA_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 DEEPSEEK_TYPES = ("deepseek_v3", "deepseek_v2", "kimi_k2")
 WRAPPER_TYPES = ("kimi_k25",)  # multimodal wrappers whose text model sits in `text_config`
+DRAFTER_ARCHITECTURE = "DFlashDraftModel"  # a drafter's config.json, never a target's
 
 
 @dataclass(frozen=True)
@@ -91,12 +92,28 @@ class ModelConfig:
     # ------------------------------------------------------------------ loading
     @staticmethod
     def from_hf(cfg: dict[str, Any]) -> ModelConfig:
-        """Map a Hugging Face config.json dict to a ModelConfig; unknown model types raise."""
+        """Map a Hugging Face config.json dict to a ModelConfig; unknown model types, and
+        fields the model type needs that are missing, raise ValueError."""
+        if not isinstance(cfg, dict):
+            raise ValueError(
+                f"config.json is not a JSON object (it holds a {type(cfg).__name__}): give the "
+                "model's Hugging Face config.json"
+            )
+        try:
+            return ModelConfig._from_hf(cfg)
+        except KeyError as e:
+            raise ValueError(
+                f"config.json has no {e.args[0]!r}, which a {cfg.get('model_type')} model needs: "
+                "is it the model's own Hugging Face config.json?"
+            ) from None
+
+    @staticmethod
+    def _from_hf(cfg: dict[str, Any]) -> ModelConfig:
         mt = cfg.get("model_type")
         if mt in WRAPPER_TYPES:
             if "text_config" not in cfg:
                 raise ValueError(f"model_type {mt!r} config has no text_config")
-            return ModelConfig.from_hf(cfg["text_config"])
+            return ModelConfig._from_hf(cfg["text_config"])
         if mt not in LLAMA_TYPES + DEEPSEEK_TYPES:
             raise ValueError(
                 f"unknown model_type {mt!r}; kdj supports {', '.join(LLAMA_TYPES + DEEPSEEK_TYPES)}"
@@ -181,6 +198,11 @@ class ModelConfig:
             raise FileNotFoundError(f"missing model config: {path}") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"corrupt config.json {path}: {e}") from None
+        if isinstance(cfg, dict) and DRAFTER_ARCHITECTURE in (cfg.get("architectures") or []):
+            raise ValueError(
+                f"{path.parent} is a DFlash drafter checkpoint, not a target: load it with "
+                "kdj.load_drafter (kdj generate --drafter)"
+            )
         return ModelConfig.from_hf(cfg)
 
     def to_dict(self) -> dict[str, Any]:

@@ -290,6 +290,23 @@ class Tokenizer:
         why = "install jinja2 to render its template" if self.chat_template else "none shipped"
         raise ValueError(f"tokenizer {self.name} has no usable chat template ({why})")
 
+    def save(self, folder) -> None:
+        """Write tokenizer.json, tokenizer_config.json (BOS, EOS, chat template) and
+        generation_config.json (the stop ids) into `folder`: load_tokenizer(folder) gives
+        this tokenizer back. Only a `tokenizers` backend (tokenizer.json, GGUF) can be saved:
+        copy a tiktoken model's own files instead."""
+        if not isinstance(self._backend, _HFBackend):
+            raise NotImplementedError(f"{self.name}: only a tokenizer.json backend can be saved")
+        folder = Path(folder)
+        self._backend.tok.save(str(folder / "tokenizer.json"))
+        spell = self._backend.tok.id_to_token
+        config = {"bos_token": None if self.bos_id is None else spell(self.bos_id),
+                  "eos_token": None if self.eos_id is None else spell(self.eos_id),
+                  "chat_template": self.chat_template}  # fmt: skip
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+        stops = {"eos_token_id": sorted(self.stop_ids)}
+        (folder / "generation_config.json").write_text(json.dumps(stops, indent=2))
+
     def _spelling(self, token_id: int | None) -> str:
         return "" if token_id is None else self._backend.decode([token_id], False)
 

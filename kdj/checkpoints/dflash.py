@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
+from kdj.checkpoints import staging
 from kdj.checkpoints.hf_safetensors import HFCheckpoint
 from kdj.checkpoints.loader import ALL, fill_params, mlp_targets
 from kdj.config import ModelConfig
@@ -137,10 +138,27 @@ def load_drafter_checkpoint(path, dtype=jnp.bfloat16) -> Drafter:
     )  # fmt: skip
 
 
-def save_drafter(drafter: Drafter, path) -> Path:
-    """Write `drafter` in the published DFlash format (float32 weights keep full precision)."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+CALIBRATION = "calibration.json"  # kdj.train.calibrate.FILE
+FILES = ("model.safetensors", CALIBRATION, "config.json")  # what a drafter save writes
+
+
+def save_drafter(drafter: Drafter, path, *, calibration: dict | None = None,
+                 overwrite: bool = False) -> Path:  # fmt: skip
+    """Write `drafter` in the published DFlash format (float32 weights keep full precision),
+    with its `calibration` ({"temperature", "realised_acceptance", "realised_by_entry"}, as
+    kdj.train.calibrate writes it) when given.
+
+    A non-empty `path` is refused unless `overwrite`, which replaces only the drafter's own
+    files (FILES; a stale calibration.json goes) and keeps the rest. The files are written
+    into a temporary sibling directory first (kdj.checkpoints.staging): an interrupted save
+    leaves nothing that loads."""
+    path = Path(path).absolute()
+    with staging.staged(path, overwrite=overwrite, replaces=FILES, last="config.json") as tmp:
+        _write_drafter(drafter, tmp, calibration)
+    return path
+
+
+def _write_drafter(drafter: Drafter, path: Path, calibration: dict | None) -> None:
     tensors = {
         "fc.weight": drafter.fc.kernel[...].T,
         "hidden_norm.weight": drafter.hidden_norm.weight[...],
@@ -160,5 +178,6 @@ def save_drafter(drafter: Drafter, path) -> Path:
         tensors[p + "mlp.down_proj.weight"] = layer.mlp.down.kernel[...].T
     arrays = {k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in tensors.items()}
     save_file(arrays, str(path / "model.safetensors"))
+    if calibration is not None:
+        (path / CALIBRATION).write_text(json.dumps(calibration, indent=2))
     (path / "config.json").write_text(json.dumps(drafter_config_to_hf(drafter.cfg), indent=2))
-    return path

@@ -103,9 +103,11 @@ class HFCheckpoint:
                     files[name] = p
         self._where = files
         try:
-            quant = json.loads(self.config_path.read_text()).get("quantization_config") or {}
+            config = json.loads(self.config_path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"corrupt {self.config_path}: {e}") from None
+        # not an object: ModelConfig.from_json says so when the config is parsed
+        quant = (config.get("quantization_config") if isinstance(config, dict) else None) or {}
         self.fp8_block = int((quant.get("weight_block_size") or [FP8_BLOCK])[0])
         self._open: dict[Path, SafetensorsFile] = {}
 

@@ -1,13 +1,16 @@
 """`kdj convert`: save converted params with Orbax, restore them without re-converting.
 
-Layout of a converted dir: kdj_config.json (the ModelConfig + dtype) and params/ (an Orbax
-StandardCheckpointer checkpoint of the NNX parameter state). Restoring goes straight into the
-target shardings: Orbax reads each array into the sharding of the abstract target.
+Layout of a converted dir: kdj_config.json (the ModelConfig + dtype; written last, it marks a
+finished conversion), params/ (an Orbax StandardCheckpointer checkpoint of the NNX parameter
+state) and the target's tokenizer files (tokenizer.json, its chat template, ...). Restoring
+goes straight into the target shardings: Orbax reads each array into the sharding of the
+abstract target.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -15,6 +18,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from kdj.checkpoints import staging
 from kdj.config import ModelConfig
 from kdj.models.transformer import abstract_model
 from kdj.sharding import named_sharding, single_device_rules
@@ -25,25 +29,54 @@ CONFIG_NAME = "kdj_config.json"
 FORMAT = 2
 
 
+# The tokenizer side files load_tokenizer reads, copied across from an HF checkpoint dir.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tiktoken.model", "tokenizer_config.json", "chat_template.jinja",
+    "generation_config.json", "special_tokens_map.json",
+)  # fmt: skip
+
+
 def is_orbax_dir(path: Path) -> bool:
-    return (Path(path) / CONFIG_NAME).exists()
+    """A `kdj convert` dir, finished (kdj_config.json) or not (params/ alone)."""
+    return (Path(path) / CONFIG_NAME).exists() or (Path(path) / "params").is_dir()
 
 
-def save(model, path: str | Path) -> Path:
+def save(model, path: str | Path, tokenizer=None, tokenizer_source=None) -> Path:
+    """Write `model` (and the tokenizer, see save_tokenizer) as a kdj convert dir. Written
+    into a temporary sibling and renamed at the end (kdj.checkpoints.staging), kdj_config.json
+    last: a dir without it is an unfinished conversion. A non-empty `path` is refused."""
     path = Path(path).absolute()
-    if path.exists() and any(path.iterdir()):
-        raise FileExistsError(f"{path} exists and is not empty")
-    path.mkdir(parents=True, exist_ok=True)
-    state = nnx.state(model, nnx.Param)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path / "params", state)
-    meta = {"config": model.cfg.to_dict(), "dtype": str(model.embed[...].dtype), "format": FORMAT}
-    (path / CONFIG_NAME).write_text(json.dumps(meta, indent=2))
+    with staging.staged(path) as tmp:
+        state = nnx.state(model, nnx.Param)
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(tmp / "params", state)
+        if tokenizer is not None:
+            save_tokenizer(tokenizer_source, tokenizer, tmp)
+        meta = {"config": model.cfg.to_dict(), "dtype": str(model.embed[...].dtype),
+                "format": FORMAT}  # fmt: skip
+        (tmp / CONFIG_NAME).write_text(json.dumps(meta, indent=2))
     return path
+
+
+def save_tokenizer(source, tokenizer, folder: Path) -> None:
+    """Carry the target's tokenizer into `folder`: an HF checkpoint dir's own tokenizer files
+    are copied as they are; a GGUF's (built from its metadata) is written out as
+    tokenizer.json + its side files (Tokenizer.save)."""
+    src = Path(source) if source is not None else None
+    if src is not None and src.is_dir():
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copy2(src / name, folder / name)
+    else:
+        tokenizer.save(folder)
 
 
 def restore(path: str | Path, dtype=None, mesh=None, rules=None):
     path = Path(path).absolute()
+    if not (path / CONFIG_NAME).exists():
+        raise ValueError(f"{path} is an incomplete kdj convert dir ({CONFIG_NAME}, written "
+                         "last, is missing: the conversion was interrupted); delete it and "
+                         "convert again")  # fmt: skip
     try:
         meta = json.loads((path / CONFIG_NAME).read_text())
         cfg = ModelConfig.from_dict(meta["config"])
@@ -70,6 +103,12 @@ def restore(path: str | Path, dtype=None, mesh=None, rules=None):
         return var.replace(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding))
 
     abstract = jax.tree.map(target, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    with ocp.StandardCheckpointer() as ckptr:
-        state = ckptr.restore(path / "params", abstract)
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            state = ckptr.restore(path / "params", abstract)
+    except Exception as e:  # TensorStore/Orbax raise many kinds, each with a long dump
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = first.split(" See full")[0][:160]  # drop the pointer to TensorStore's dump
+        raise ValueError(f"{path / 'params'}: cannot read the converted weights ({first}); "
+                         "the files are damaged: run kdj convert again") from None  # fmt: skip
     return nnx.merge(graphdef, state)

@@ -35,6 +35,10 @@ class MeshConfig:
 
     @staticmethod
     def from_dict(d: dict) -> MeshConfig:
+        unknown = set(d) - {"mesh", "rules"}
+        if unknown:  # a typo would silently run the defaults
+            raise ValueError(f"unknown keys {sorted(unknown)} in the mesh config; expected "
+                             "'mesh' (axis sizes) and 'rules' (a preset)")  # fmt: skip
         mesh = dict(d.get("mesh") or {})
         unknown = set(mesh) - set(MESH_AXES)
         if unknown:

@@ -320,7 +320,7 @@ def export_drafter(drafter, path, dtype="bfloat16") -> Path:
     from safetensors.flax import save_file
     from safetensors.numpy import load_file
 
-    path = drafter.save(path)
+    path = drafter.save(path, overwrite=True)  # a resumed run exports into its own dir again
     file = Path(path) / "model.safetensors"
     tensors = {k: jnp.asarray(v, jnp.dtype(dtype)) for k, v in load_file(str(file)).items()}
     save_file(tensors, str(file))

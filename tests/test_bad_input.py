@@ -1,0 +1,519 @@
+"""Bad input never gives a silent wrong result, a crash or lost files (issue 24): each case
+here failed before its fix. The property test at the end throws random arguments at
+generate on a tiny pair: every call returns outputs that keep generate's promises or raises
+ValueError/TypeError with a message."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+import kdj
+from kdj.cli import main
+from kdj.tokenizer import load_tokenizer
+from tests.hf_models import build
+from tests.test_speculative import make_drafter
+
+VOCAB = 12
+WORDS = [f"w{i}" for i in range(VOCAB - 2)] + ["<|im_start|>", "<|im_end|>"]
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+
+
+def write_tokenizer(folder):
+    """A word-level tokenizer.json for the tiny vocabulary, with a chat template."""
+    import tokenizers
+    from tokenizers import models, pre_tokenizers
+
+    tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, "w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([tokenizers.AddedToken(w, special=True) for w in WORDS[-2:]])
+    tok.save(str(folder / "tokenizer.json"))
+    cfg = {"eos_token": "<|im_end|>", "chat_template": TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    build("llama", path, vocab_size=VOCAB, num_hidden_layers=3)
+    write_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def target(ckpt):
+    return kdj.load_target(ckpt, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    return make_drafter(target, layers=1, block=4, ids=(0, 1))
+
+
+def copy(src, tmp_path, name="copy"):
+    shutil.copytree(src, tmp_path / name)
+    return tmp_path / name
+
+
+def files(path):
+    return {p.relative_to(path): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+# ---------------------------------------------------- 1. non-finite and out-of-range floats
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
+def test_non_finite_or_negative_temperature_is_refused(target, value):
+    with pytest.raises(ValueError, match="temperature"):
+        kdj.generate(target, [[5, 6, 7, 8]], method="ar", max_new_tokens=6, temperature=value)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0.0, 1.5])
+def test_top_p_must_be_finite_in_range(target, value):
+    with pytest.raises(ValueError, match="top_p"):
+        kdj.generate(target, [[5, 6]], method="ar", max_new_tokens=2, top_p=value)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -2.0])
+def test_calibration_must_be_finite_and_positive(target, drafter, value):
+    with pytest.raises(ValueError, match="calibration"):
+        kdj.generate(target, [[5, 6]], drafter=drafter, max_new_tokens=2, calibration=value)
+
+
+def test_cli_temperature_nan_is_refused(monkeypatch):
+    with pytest.raises(SystemExit, match="temperature"):
+        main(["generate", "--method", "ar", "--max-new-tokens", "2", "--temperature", "nan"])
+
+
+# ---------------------------------------------------------------- 2. Drafter.save is safe
+def test_drafter_save_refuses_a_non_empty_directory(ckpt, drafter, tmp_path):
+    hf = copy(ckpt, tmp_path)
+    before = files(hf)
+    with pytest.raises(FileExistsError, match="not empty.*overwrite=True"):
+        drafter.save(hf)
+    assert files(hf) == before  # the target's checkpoint is untouched
+    kdj.load_target(hf, dtype="float32")
+
+
+def test_drafter_save_overwrite_replaces_its_files_and_nothing_else(target, drafter, tmp_path):
+    old = dataclasses.replace(drafter, calibration=0.6, prior_acceptance=2.5,
+                              entry_acceptance={"tree4": 2.8})  # fmt: skip
+    old.save(tmp_path / "d")
+    (tmp_path / "d" / "README.md").write_text("notes")
+    new = make_drafter(target, layers=1, block=4, ids=(0, 1), seed=7)
+    new.save(tmp_path / "d", overwrite=True)
+    loaded = kdj.load_drafter(tmp_path / "d", target=target)
+    # the new drafter's (absent) calibration, not the old drafter's priors
+    assert (loaded.calibration, loaded.prior_acceptance, loaded.entry_acceptance) == (1.0, 0.0, {})
+    for a, b in zip(jax.tree.leaves(new.state), jax.tree.leaves(loaded.state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert (tmp_path / "d" / "README.md").read_text() == "notes"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]  # no temporary left behind
+
+
+def test_drafter_save_writes_its_calibration(target, drafter, tmp_path):
+    cal = dataclasses.replace(drafter, calibration=0.6, prior_acceptance=2.5,
+                              entry_acceptance={"tree4": 2.8})  # fmt: skip
+    cal.save(tmp_path / "d")
+    loaded = kdj.load_drafter(tmp_path / "d", target=target)
+    assert (loaded.calibration, loaded.prior_acceptance, loaded.entry_acceptance) == (
+        0.6, 2.5, {"tree4": 2.8},
+    )  # fmt: skip
+
+
+def test_shipped_drafter_copy_keeps_its_calibration(tmp_path):
+    shipped = kdj.load_drafter("smollm2-135m-dflash-b16", dtype="float32")
+    shipped.save(tmp_path / "copy")
+    copy_ = kdj.load_drafter(tmp_path / "copy", dtype="float32")
+    assert copy_.calibration == shipped.calibration != 1.0
+    assert copy_.prior_acceptance == shipped.prior_acceptance > 0
+    assert copy_.entry_acceptance == shipped.entry_acceptance
+
+
+def test_interrupted_drafter_save_leaves_nothing_that_loads(drafter, tmp_path, monkeypatch):
+    import kdj.checkpoints.dflash as dflash
+
+    def dies(arrays, filename):
+        open(filename, "wb").write(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dflash, "save_file", dies)
+    with pytest.raises(KeyboardInterrupt):
+        drafter.save(tmp_path / "d")
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------- 3. only float dtypes
+@pytest.mark.parametrize("dtype", ["int32", "int8", "bool", "float64", "complex64"])
+def test_load_target_refuses_dtypes_the_kernels_do_not_run(ckpt, dtype):
+    with pytest.raises(ValueError, match="dtype.*float32.*bfloat16"):
+        kdj.load_target(ckpt, dtype=dtype)
+
+
+def test_convert_refuses_an_integer_dtype(ckpt, tmp_path):
+    with pytest.raises(SystemExit, match="dtype"):
+        main(["convert", str(ckpt), str(tmp_path / "out"), "--dtype", "int8"])
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------ 4. a huge tree budget is capped
+@pytest.mark.parametrize(
+    "kw", [{"method": "ddtree", "tree_budget": 100000}, {"menu": ["none", "tree100000"]}]
+)
+def test_huge_tree_budget_is_capped_by_what_fits(target, drafter, kw):
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    out = kdj.generate(target, prompts, drafter=drafter, max_new_tokens=5, cache_size=32, **kw)
+    ar = kdj.generate(target, prompts, method="ar", max_new_tokens=5, cache_size=32)
+    assert out.tokens == ar.tokens
+    # the largest tree that can fit: the cache beyond the shortest prompt and its root
+    if "tree_budget" in kw:
+        assert out.stats["tree_budget"] == 32 - 2 - 1
+        assert out.stats["tree_budget_requested"] == 100000
+    else:
+        assert out.stats["menu"][-1] == "tree29"
+
+
+# ---------------------------------------------------------- 5. convert keeps the tokenizer
+def test_convert_carries_the_tokenizer_and_chat_template(ckpt, tmp_path):
+    assert main(["convert", str(ckpt), str(tmp_path / "c"), "--dtype", "float32"]) == 0
+    tok = kdj.load_target(tmp_path / "c", dtype="float32").tokenizer
+    ref = load_tokenizer(ckpt)
+    assert tok is not None
+    assert tok.encode("w1 w3 <|im_end|>") == ref.encode("w1 w3 <|im_end|>")
+    assert tok.stop_ids == ref.stop_ids and tok.chat_template == TEMPLATE
+    msgs = [{"role": "user", "content": "w2"}]
+    assert tok.apply_chat_template(msgs) == ref.apply_chat_template(msgs)
+    assert main(["generate", "--target", str(tmp_path / "c"), "--prompt", "w1 w2",
+                 "--max-new-tokens", "2", "--method", "ar"]) == 0  # fmt: skip
+
+
+def test_convert_of_a_gguf_carries_its_tokenizer(tmp_path):
+    from kdj.checkpoints.gguf import smollm2_gguf_path
+    from kdj.checkpoints.orbax import save_tokenizer
+
+    # the GGUF's tokenizer written out beside a conversion (the weights need no second test)
+    ref = load_tokenizer(smollm2_gguf_path())
+    save_tokenizer(smollm2_gguf_path(), ref, tmp_path)
+    tok = load_tokenizer(tmp_path)
+    text = "Hello, world! 12345 <|im_start|>user\nhé<|im_end|>"
+    assert tok.encode(text) == ref.encode(text)
+    assert tok.stop_ids == ref.stop_ids and tok.bos_id == ref.bos_id
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert tok.apply_chat_template(msgs) == ref.apply_chat_template(msgs)
+
+
+# ------------------------------------------------------- 6. interrupted and corrupt converts
+def test_convert_checks_the_destination_before_loading(ckpt, tmp_path, monkeypatch):
+    (tmp_path / "dst").mkdir()
+    (tmp_path / "dst" / "keep.txt").write_text("mine")
+
+    def never(*a, **k):
+        raise AssertionError("the source was loaded before the destination was checked")
+
+    monkeypatch.setattr(kdj, "load_target", never)
+    with pytest.raises(SystemExit, match="not empty"):
+        main(["convert", str(ckpt), str(tmp_path / "dst")])
+    assert (tmp_path / "dst" / "keep.txt").read_text() == "mine"
+
+
+def test_interrupted_convert_leaves_no_destination(ckpt, tmp_path, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    def dies(self, path, state, *a, **k):
+        (path / "junk").parent.mkdir(parents=True, exist_ok=True)
+        (path / "junk").write_text("half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ocp.StandardCheckpointer, "save", dies)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        main(["convert", str(ckpt), str(tmp_path / "out" / "c"), "--dtype", "float32"])
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def converted(ckpt, tmp_path_factory):
+    path = tmp_path_factory.mktemp("conv") / "c"
+    assert main(["convert", str(ckpt), str(path), "--dtype", "float32"]) == 0
+    return path
+
+
+def test_half_written_convert_dir_says_so(converted, tmp_path):
+    path = copy(converted, tmp_path)
+    (path / "kdj_config.json").unlink()  # written last: its absence marks an unfinished convert
+    with pytest.raises(ValueError, match="incomplete kdj convert.*convert again"):
+        kdj.load_target(path)
+
+
+def test_corrupt_convert_data_is_one_clear_line(converted, tmp_path):
+    path = copy(converted, tmp_path)
+    data = max((p for p in (path / "params").rglob("*") if p.is_file()),
+               key=lambda p: p.stat().st_size)  # fmt: skip
+    data.write_bytes(data.read_bytes()[:100])
+    with pytest.raises(ValueError) as e:
+        kdj.load_target(path, dtype="float32")
+    msg = str(e.value)
+    assert "\n" not in msg and len(msg) < 400, msg
+    assert str(path / "params") in msg and "convert" in msg
+
+
+# --------------------------------------------------- 7. default cache within the model limit
+def test_default_cache_fits_a_small_max_position_embeddings(tmp_path):
+    build("llama", tmp_path, vocab_size=VOCAB, max_position_embeddings=100)
+    t = kdj.load_target(tmp_path, dtype="float32")
+    out = kdj.generate(t, [list(range(10))], method="ar", max_new_tokens=20, stop_tokens=[])
+    assert len(out.tokens[0]) == 20
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        kdj.generate(t, [list(range(10))], method="ar", max_new_tokens=91)
+
+
+# ------------------------------------------------------------- 8. mesh YAML unknown keys
+@pytest.mark.parametrize("text", ["rulez: ep\n", "meshh: {model: 8}\n"])
+def test_mesh_yaml_refuses_unknown_keys(tmp_path, text):
+    from kdj.sharding.apply import as_sharding
+
+    (tmp_path / "m.yaml").write_text(text)
+    with pytest.raises(ValueError, match="unknown keys.*expected.*mesh.*rules"):
+        as_sharding(tmp_path / "m.yaml")
+
+
+# --------------------------------------------------------------------- unclear errors
+def edit_config(ckpt, tmp_path, fn):
+    path = copy(ckpt, tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(fn(cfg)))
+    return path
+
+
+def test_config_without_a_required_field(ckpt, tmp_path):
+    path = edit_config(ckpt, tmp_path, lambda c: {k: v for k, v in c.items() if k != "hidden_size"})
+    with pytest.raises(ValueError, match="config.json has no 'hidden_size'"):
+        kdj.load_target(path)
+
+
+def test_config_that_is_not_an_object(ckpt, tmp_path):
+    path = edit_config(ckpt, tmp_path, lambda c: [c])
+    with pytest.raises(ValueError, match="config.json.*not a JSON object"):
+        kdj.load_target(path)
+
+
+def test_drafter_dir_passed_as_target(drafter, tmp_path):
+    drafter.save(tmp_path / "d")
+    with pytest.raises(ValueError, match="DFlash drafter.*load_drafter"):
+        kdj.load_target(tmp_path / "d")
+
+
+def test_path_passed_where_a_loaded_model_is_expected(ckpt, target, drafter):
+    with pytest.raises(TypeError, match="kdj.load_target"):
+        kdj.generate(str(ckpt), [[1, 2]])
+    with pytest.raises(TypeError, match="kdj.load_drafter"):
+        kdj.generate(target, [[1, 2]], drafter="smollm2-135m-dflash-b16")
+    with pytest.raises(TypeError, match="kdj.load_target"):
+        kdj.forward(str(ckpt), [[1, 2]])
+    with pytest.raises(TypeError, match="kdj.load_target"):
+        kdj.load_drafter("smollm2-135m-dflash-b16", target=str(ckpt))
+
+
+def test_numpy_prompts_and_flat_lists(target):
+    ref = kdj.generate(target, [[5, 6, 7, 8], [1, 2, 3, 4]], method="ar", max_new_tokens=3)
+    arr = np.array([[5, 6, 7, 8], [1, 2, 3, 4]], np.int64)
+    assert kdj.generate(target, arr, method="ar", max_new_tokens=3).tokens == ref.tokens
+    with pytest.raises(TypeError, match=r"a list of prompts.*\[\[5, 6, 7, 8\]\]"):
+        kdj.generate(target, [5, 6, 7, 8], method="ar")
+    with pytest.raises(TypeError, match="a list of prompts"):
+        kdj.generate(target, np.array([5, 6, 7, 8]), method="ar")
+    with pytest.raises(TypeError, match="integer token ids"):
+        kdj.generate(target, np.array([[5.0, 6.0]]), method="ar")
+
+
+@pytest.mark.parametrize(
+    "stop, msg",
+    [(2, r"not an int.*\[2\]"), (["<|im_end|>"], "token ids, not strings"),
+     ([[1], 2], "one list per prompt"), ([[[1]]], "one list per prompt"),
+     ([2.5], "integer"), ([True], "integer"), ([VOCAB], "outside the vocabulary")],
+)  # fmt: skip
+def test_stop_tokens_form(target, stop, msg):
+    with pytest.raises((TypeError, ValueError), match=msg):
+        kdj.generate(target, [[1, 2], [3]], method="ar", max_new_tokens=2, stop_tokens=stop)
+
+
+def test_lone_surrogate_in_a_prompt(target):
+    with pytest.raises(ValueError, match="prompt 1.*surrogate"):
+        kdj.generate(target, ["w1", "w2 \ud800"], method="ar")
+
+
+def test_run_yaml_decode_typo_is_refused_before_loading(tmp_path, monkeypatch):
+    def never(*a, **k):
+        raise AssertionError("the target was loaded before the run YAML was checked")
+
+    monkeypatch.setattr(kdj, "load_target", never)
+    run = tmp_path / "run.yaml"
+    run.write_text("decode:\n  max_new_token: 3\n")
+    with pytest.raises(SystemExit, match=r"unknown decode keys \['max_new_token'\]"):
+        main(["generate", "--config", str(run)])
+    run.write_text("decode: 3\n")
+    with pytest.raises(SystemExit, match="decode.*mapping"):
+        main(["generate", "--config", str(run)])
+
+
+def test_shipped_run_yamls_pass_the_check():
+    from pathlib import Path
+
+    from kdj.cli import _run_config
+
+    for path in sorted(Path("configs/runs").glob("*.yaml")):
+        _run_config(str(path))
+
+
+def test_empty_menu(target, drafter):
+    with pytest.raises(ValueError, match=r"menu is empty"):
+        kdj.generate(target, [[1, 2]], drafter=drafter, menu=[])
+
+
+def test_ragged_forward_input(target):
+    with pytest.raises(ValueError, match="equal lengths.*row 1 has 1"):
+        kdj.forward(target, [[1, 2], [3]])
+
+
+def test_forward_refuses_more_tokens_than_the_model_positions(tmp_path):
+    build("llama", tmp_path, vocab_size=VOCAB, max_position_embeddings=16)
+    t = kdj.load_target(tmp_path, dtype="float32")
+    with pytest.raises(ValueError, match="20 tokens.*max_position_embeddings \\(16\\)"):
+        kdj.forward(t, [list(range(10)) * 2])
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        kdj.generate(t, [list(range(10)) * 2], method="ar", max_new_tokens=1)
+
+
+@pytest.mark.parametrize(
+    "kw, msg",
+    [({"max_new_tokens": 2.5}, "max_new_tokens must be an integer"),
+     ({"prompts": [[1], [2]], "max_new_tokens": [2, 2.5]}, "max_new_tokens must be an integer"),
+     ({"max_new_tokens": True}, "max_new_tokens must be an integer"),
+     ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+     ({"seed": 1.5}, "seed must be an integer"),
+     ({"cache_size": 0}, "cache_size must be >= 1"),
+     ({"cache_size": 64.0}, "cache_size must be an integer"),
+     ({"prompts": [[1, 2.7]]}, "prompt 0 .*integer token ids"),
+     ({"prompts": [[1, True]]}, "prompt 0 .*integer token ids"),
+     ({"method": "ddtree", "tree_budget": 2.7}, "tree_budget must be an integer"),
+     ({"method": "dflash", "block_size": 2.5}, "block_size must be an integer"),
+     ({"method": "ar", "block_size": 3}, "block_size applies to"),
+     ({"method": "ar", "tree_budget": 3}, "tree_budget applies to"),
+     ({"method": "auto", "block_size": 3, "drafter": None}, "block_size applies to"),
+     ({"method": "dflash", "menu": ["none"]}, "menu applies to")],
+)  # fmt: skip
+def test_integers_are_integers_and_arguments_fit_the_method(target, drafter, kw, msg):
+    kw = {"prompts": [[1, 2]], "drafter": drafter, "method": "auto", **kw}
+    with pytest.raises((TypeError, ValueError), match=msg):
+        kdj.generate(target, **kw)
+
+
+# ---------------------------------------------------------------------------- CLI help
+def test_every_cli_option_says_what_it_does_and_its_default(capsys):
+    import argparse
+
+    from kdj.cli import parser
+
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, p in sub.choices.items():
+        for a in p._actions:
+            if isinstance(a, argparse._HelpAction) or name == "bench":
+                continue
+            assert a.help, f"kdj {name} {a.dest}: no help"
+            if a.option_strings and not a.required:
+                text = a.help % {"default": a.default} if "%(default)" in a.help else a.help
+                assert "default" in text, f"kdj {name} {a.option_strings[0]}: no default said"
+    bench = sub.choices["bench"]
+    assert all(a.help for a in bench._actions)
+
+
+# ---------------------------------------------------------- property test over generate
+# Valid arguments (few distinct shapes, so compiled programs are reused: two prompts of at
+# most 5 tokens, max(max_new_tokens) = 4, the default cache), then at most one replaced by a
+# bad value.
+PROMPT = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=5)
+PROMPTS = st.one_of(st.lists(PROMPT, min_size=2, max_size=2), st.just(["w1 w2", "w3"]))
+STOP = st.one_of(
+    st.none(), st.just([]), st.lists(st.integers(0, VOCAB - 1), max_size=2),
+    st.lists(st.lists(st.integers(0, VOCAB - 1), max_size=2), min_size=2, max_size=2),
+)  # fmt: skip
+PER_METHOD = {
+    "ar": st.just({}),
+    "dflash": st.fixed_dictionaries({"block_size": st.sampled_from([None, 2])}),
+    "ddtree": st.just({"tree_budget": 4}),
+    "auto": st.just({"menu": ["none", "tree4"]}),
+}
+
+
+@st.composite
+def valid_arguments(draw):
+    method = draw(st.sampled_from(sorted(PER_METHOD)))
+    kw = {"prompts": draw(PROMPTS), "method": method, "use_drafter": method != "ar",
+          "max_new_tokens": draw(st.sampled_from([4, [1, 4]])),
+          "temperature": draw(st.sampled_from([0.0, 0.0, 0.0, 0.7])),
+          "stop_tokens": draw(STOP), **draw(PER_METHOD[method])}  # fmt: skip
+    return kw
+
+
+NAN, INF = float("nan"), float("inf")
+BAD = {
+    "temperature": [NAN, INF, -0.5, "0", None], "top_p": [0.0, 1.5, NAN, None],
+    "max_new_tokens": [0, -1, 2.5, True, "3", None, [4, 2.5]], "seed": [1.5, "0", None],
+    "cache_size": [0, 2.5, 4, 10**6], "block_size": [2.5, 1, 99], "tree_budget": [0, 2.7, -3],
+    "stop_tokens": [3, ["w1"], [[1], 2], [1.5], [VOCAB], "w1"],
+    "prompts": [[], [[]], [[1, VOCAB]], [[1, -1]], [1, 2], [[1.5]], [["w1"]], "w1 \ud800",
+                np.array([1, 2]), None],
+    "method": ["beam", None], "calibration": [NAN, 0.0, -1.0], "menu": [[], ["tree0"], ["x"]],
+}  # fmt: skip
+CORRUPT = st.one_of(st.none(), st.sampled_from([(k, v) for k, vs in BAD.items() for v in vs]))
+
+
+def check_outputs(target, drafter, kw, out):
+    """generate's promises: at most max_new_tokens each, ids in the vocabulary, nothing after
+    a stop token, exactly max_new_tokens when no stop came, and greedy == plain AR."""
+    prompts = kw["prompts"]
+    n = 1 if isinstance(prompts, str) else len(prompts)
+    max_new = kw["max_new_tokens"]
+    max_new = list(max_new) if isinstance(max_new, list) else [max_new] * n
+    stop = kw["stop_tokens"]
+    if stop is None:
+        stop = [sorted(target.tokenizer.stop_ids)] * n
+    elif stop and isinstance(stop[0], list):
+        pass
+    else:
+        stop = [stop] * n
+    assert len(out.tokens) == n
+    for seq, m, s in zip(out.tokens, max_new, stop):
+        assert len(seq) <= m
+        assert all(0 <= t < VOCAB for t in seq)
+        hits = [i for i, t in enumerate(seq) if t in s]
+        assert not hits or hits[0] == len(seq) - 1, "tokens after a stop token"
+        assert hits or len(seq) == m, "stopped early without a stop token"
+    if kw["temperature"] == 0.0 and out.stats["method"] != "ar":
+        ar_kw = {k: kw.get(k) for k in ("max_new_tokens", "stop_tokens", "cache_size")}
+        ref = kdj.generate(target, prompts, method="ar", **ar_kw)
+        assert out.tokens == ref.tokens
+
+
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(valid_arguments(), CORRUPT)
+def test_generate_keeps_its_promises_or_says_why(target, drafter, args, corrupt):
+    kw = dict(args)
+    kw["drafter"] = drafter if kw.pop("use_drafter") else None
+    if corrupt is not None:
+        kw[corrupt[0]] = corrupt[1]
+    try:
+        out = kdj.generate(target, **kw)
+    except (ValueError, TypeError) as e:
+        assert str(e).strip(), f"{type(e).__name__} without a message"
+        event("refused")
+        return
+    assert corrupt is None, f"{corrupt} was accepted"
+    event(f"ran {out.stats['method']}")
+    check_outputs(target, drafter, kw, out)
