@@ -7,7 +7,6 @@ angles in float32 (as the Hugging Face reference does).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -106,7 +105,6 @@ class MLP(nnx.Module):
 
 
 # ---------------------------------------------------------------------------------- RoPE
-@functools.lru_cache(maxsize=64)
 def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     """Inverse frequencies [rope_dim // 2] and the cos/sin amplitude, as HF computes them.
 
