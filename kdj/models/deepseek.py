@@ -146,7 +146,7 @@ class ExpertWeight:
     def take(self, ids, dtype):
         """Dequantised weights of experts ids [n]: [n, in, *out]. Only those experts are read."""
         if self.fmt == "float":
-            # no barrier: XLA reads the selected experts straight into the dot
+            # no barrier: XLA reads the selected experts straight into the dot, no copy
             return self.value[ids]
         scale = None if self.scale is None else self.scale[ids]
         # The barrier pins the gather before the dequantisation: otherwise XLA hoists the
@@ -303,8 +303,9 @@ class MoE(nnx.Module):
         self.gate_up_scale = self.down_scale = nnx.data(None)
         self.expert_format = "float"
         shared = I * cfg.n_shared_experts
-        mlp = dict(dtype=dtype, rngs=rngs, kernels=cfg.kernels)
-        self.shared = MLP(D, shared, **mlp) if shared else None
+        self.shared = (
+            MLP(D, shared, dtype=dtype, rngs=rngs, kernels=cfg.kernels) if shared else None
+        )
         self.cfg = cfg
         self.shard = None  # a kdj.sharding.Sharding when experts are spread over a mesh
 
