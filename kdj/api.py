@@ -20,7 +20,9 @@ from kdj.cost import StepCost
 from kdj.decode import autoregressive as ar
 from kdj.decode import speculative
 from kdj.decode.tree import DraftShape
+from kdj.kernels import KernelPolicy, choose
 from kdj.models.drafter import DrafterConfig
+from kdj.models.layers import set_kernels
 from kdj.sharding import Sharding
 from kdj.sharding.apply import as_sharding, mark_experts, shard_cache, shard_model
 from kdj.tokenizer import Tokenizer, load_tokenizer
@@ -56,14 +58,26 @@ class Target:
         return nnx.merge(self.graphdef, self.state)
 
     @staticmethod
-    def from_model(model, name="", tokenizer=None, mesh=None) -> Target:
-        """Wrap an NNX model; with `mesh` (Sharding, MeshConfig or YAML) shard it first."""
+    def from_model(model, name="", tokenizer=None, mesh=None, kernels=None) -> Target:
+        """Wrap an NNX model; with `mesh` (Sharding, MeshConfig or YAML) shard it first.
+        kernels: as in `load_target`."""
         sharding = as_sharding(mesh)
         if sharding is not None:
             shard_model(model, sharding)
         graphdef, state = nnx.split(model)
         dtype = model.embed[...].dtype
-        return Target(model.cfg, graphdef, state, dtype, name, tokenizer, sharding)
+        target = Target(model.cfg, graphdef, state, dtype, name, tokenizer, sharding)
+        return target.with_kernels(kernels)
+
+    def with_kernels(self, kernels: KernelPolicy | None = None) -> Target:
+        """This target's weights under kernel policy `kernels` (None: the default for this
+        backend and sharding, kdj.kernels.choose): a new Target, compiled anew."""
+        kernels = choose(kernels, self.sharding)
+        if kernels == self.cfg.kernels:
+            return self
+        model = self.model
+        set_kernels(model, kernels)
+        return dataclasses.replace(self, cfg=model.cfg, graphdef=nnx.graphdef(model))
 
 
 @dataclasses.dataclass
@@ -74,14 +88,18 @@ class GenerateOutput:
 
 
 # ------------------------------------------------------------------------------ loading
-def load_target(source, dtype="bfloat16", mesh=None, quantized_experts=False) -> Target:
+def load_target(
+    source, dtype="bfloat16", mesh=None, quantized_experts=False, kernels=None
+) -> Target:
     """Load a target from an HF safetensors dir, a .gguf file, a `kdj convert` Orbax dir, or a
     built-in name ("smollm2-135m-instruct").
 
     quantized_experts: keep an HF checkpoint's INT4 (Kimi K2.5/K2.6) or FP8 block-scaled
     (DeepSeek-V3, Kimi K2) routed experts quantised in device memory and dequantise inside the
     expert compute, only for the experts the tokens route to (about 4x fewer expert bytes than
-    bf16 for INT4, 2x for FP8). Default: dequantise everything to `dtype` at load."""
+    bf16 for INT4, 2x for FP8). Default: dequantise everything to `dtype` at load.
+    kernels: which kernel each op runs (kdj.kernels.KernelPolicy); default: the measured
+    choice for this backend and for whether this model is sharded."""
     from kdj.checkpoints.gguf import read_gguf, smollm2_gguf_path
     from kdj.checkpoints.hf_safetensors import HFCheckpoint
     from kdj.checkpoints.loader import load_hf, load_params
@@ -126,7 +144,8 @@ def load_target(source, dtype="bfloat16", mesh=None, quantized_experts=False) ->
             tokenizer = None  # weights without a tokenizer are fine for token-id prompts
     mark_experts(model, sharding)
     graphdef, state = nnx.split(model)
-    return Target(model.cfg, graphdef, state, dtype, path.name, tokenizer, sharding)
+    target = Target(model.cfg, graphdef, state, dtype, path.name, tokenizer, sharding)
+    return target.with_kernels(kernels)
 
 
 @dataclasses.dataclass
@@ -160,6 +179,14 @@ class Drafter:
             shard_model(model, sharding)
         graphdef, state = nnx.split(model)
         return Drafter(model.cfg, graphdef, state, name, sharding)
+
+    def with_kernels(self, kernels: KernelPolicy) -> Drafter:
+        """This drafter's weights under kernel policy `kernels` (its target's)."""
+        if kernels == self.cfg.layers.kernels:
+            return self
+        model = self.model
+        set_kernels(model, kernels)
+        return dataclasses.replace(self, cfg=model.cfg, graphdef=nnx.graphdef(model))
 
     def save(self, path, overwrite: bool = False) -> Path:
         """Write the published DFlash checkpoint format (config.json + model.safetensors) and
@@ -360,6 +387,8 @@ def generate(
             prior_acceptance=drafter.prior_acceptance,
             entry_acceptance=drafter.entry_acceptance,
         )
+    if speculative_:
+        drafter = drafter.with_kernels(target.cfg.kernels)  # the drafter follows its target
     tokenizer = tokenizer or target.tokenizer
     ids = _as_token_lists(target, prompts, tokenizer)
     B = len(ids)

@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from kdj.kernels import KernelPolicy
+
 LLAMA_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 DEEPSEEK_TYPES = ("deepseek_v3", "deepseek_v2", "kimi_k2")
 WRAPPER_TYPES = ("kimi_k25",)  # multimodal wrappers whose text model sits in `text_config`
@@ -63,6 +65,9 @@ class ModelConfig:
     # tokens
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # which kernel each op runs (kdj/kernels.py): part of the jit key, chosen at load, never
+    # saved with the weights
+    kernels: KernelPolicy = KernelPolicy()
 
     @property
     def rope(self) -> dict[str, Any] | None:
@@ -88,6 +93,9 @@ class ModelConfig:
 
     def replace(self, **kw) -> ModelConfig:
         return dataclasses.replace(self, **kw)
+
+    def with_kernels(self, kernels: KernelPolicy) -> ModelConfig:
+        return self.replace(kernels=kernels)
 
     # ------------------------------------------------------------------ loading
     @staticmethod
@@ -207,6 +215,7 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        del d["kernels"]  # a runtime choice, not part of the model
         d["rope_scaling"] = self.rope
         d["eos_token_ids"] = list(self.eos_token_ids)
         return d
@@ -214,6 +223,7 @@ class ModelConfig:
     @staticmethod
     def from_dict(d: dict[str, Any]) -> ModelConfig:
         d = dict(d)
+        d.pop("kernels", None)
         if d.get("rope_scaling"):
             d["rope_scaling"] = tuple(sorted(d["rope_scaling"].items()))
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))

@@ -1,6 +1,7 @@
 """MoE routing and expert compute: both expert paths agree with a dense per-expert loop, and
 with experts kept quantised (INT4, FP8) they compute what their dequantised weights do; the
-Pallas gathered GEMV (run interpreted here) computes what the XLA gather does."""
+Pallas kernels, chosen by a KernelPolicy (run interpreted here), compute what the XLA
+references do."""
 
 from __future__ import annotations
 
@@ -13,9 +14,22 @@ import pytest
 from flax import nnx
 
 from kdj.checkpoints.quant import quant_fp8_stacked, quant_int4_stacked
-from kdj.models import deepseek
+from kdj.kernels import KernelPolicy
+from kdj.models import deepseek, layers
 from kdj.models.deepseek import ExpertWeight, expert_swiglu, expert_swiglu_gathered
 from kdj.pallas import expert_gemv, expert_grouped
+
+XLA = KernelPolicy()  # the reference everywhere
+GPU = KernelPolicy.default("gpu")  # every Pallas kernel, as on one GPU (interpreted here)
+# the gathered path under the XLA gather: the reference the expert GEMV is checked against
+gathered = functools.partial(expert_swiglu_gathered, kernels=XLA)
+
+
+def spy(monkeypatch, module, name):
+    """Record each call of module.name (a kernel entry point), still running it."""
+    calls, fn = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append((a, k)) or fn(*a, **k))
+    return calls
 
 
 def dense_reference(x, w, idx, wg, wu, wd):
@@ -28,7 +42,7 @@ def dense_reference(x, w, idx, wg, wu, wd):
     return out
 
 
-@pytest.mark.parametrize("fn", [expert_swiglu, expert_swiglu_gathered])
+@pytest.mark.parametrize("fn", [expert_swiglu, gathered], ids=["ragged", "gathered"])
 @pytest.mark.parametrize("tokens", [1, 3, 17])
 def test_expert_paths_match_dense_loop(fn, tokens):
     rng = np.random.default_rng(tokens)
@@ -43,7 +57,7 @@ def test_expert_paths_match_dense_loop(fn, tokens):
     np.testing.assert_allclose(got, dense_reference(x, w, idx, wg, wu, wd), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("fn", [expert_swiglu, expert_swiglu_gathered])
+@pytest.mark.parametrize("fn", [expert_swiglu, gathered], ids=["ragged", "gathered"])
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
 @pytest.mark.parametrize("tokens", [1, 2, 17])  # 3 and 6 assignments touch < E experts; 51 all
 def test_quantised_experts_match_their_dequantised_weights(fn, fmt, tokens):
@@ -134,69 +148,59 @@ def test_int4_gemv_is_exact_for_wide_ranging_inputs(dtype):
 
 
 def test_one_row_projections_take_the_gemv_split_over_k(monkeypatch):
-    """layers.matmul at one row: the Pallas GEMV (interpreted here; forced, since it is a
-    lone-GPU path) split over K computes what XLA's dot does, for a Linear and for the MLP's
-    [D, 2, I] gate/up, ragged K slices included; more rows keep XLA's dot."""
-    from kdj.models import layers
-
-    one, two = jnp.zeros((1, 1, 2048)), jnp.zeros((2, 2048))
-    assert not layers.uses_gemv(one, jnp.zeros((2048, 3072)))  # CPU: XLA
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(jax, "device_count", lambda: 1)
-    assert layers.uses_gemv(one, jnp.zeros((2048, 3072)))  # Moonlight's q_proj
-    assert not layers.uses_gemv(two, jnp.zeros((2048, 3072)))  # two rows: XLA's GEMM
-    assert layers.uses_gemv(one, jnp.zeros((2048, 576)))  # MLA's kv_a
-    assert layers.uses_gemv(one, jnp.zeros((2048, 64)))  # Moonlight's router (float32)
-    assert not layers.uses_gemv(one, jnp.zeros((576, 192)))  # small: XLA fuses it
-    assert not layers.uses_gemv(one, jnp.zeros((2048, 2, 11264)))  # big: XLA's dot is fast
-    monkeypatch.setattr(jax, "device_count", lambda: 8)
-    assert not layers.uses_gemv(one, jnp.zeros((2048, 3072)))  # a mesh: weights may be split
-    monkeypatch.undo()
+    """layers.matmul at one row: the GPU policy's window of weight sizes; the Pallas GEMV
+    (interpreted here) split over K computes what XLA's dot does, for a Linear and for the
+    MLP's [D, 2, I] gate/up, ragged K slices included; more rows keep XLA's dot."""
+    takes = GPU.dense_gemv_for
+    assert not XLA.dense_gemv_for(1, 2048 * 3072)  # the reference: XLA
+    assert takes(1, 2048 * 3072)  # Moonlight's q_proj
+    assert not takes(2, 2048 * 3072)  # two rows: XLA's GEMM
+    assert takes(1, 2048 * 576)  # MLA's kv_a
+    assert takes(1, 2048 * 64)  # Moonlight's router (float32)
+    assert not takes(1, 576 * 192)  # small: XLA fuses it
+    assert not takes(1, 2048 * 2 * 11264)  # big: XLA's dot is fast
+    sharded = KernelPolicy.default("gpu", sharded=True)
+    assert not sharded.dense_gemv_for(1, 2048 * 3072)  # split weights stay with XLA
     splits = functools.partial(expert_gemv.splits, 1, "float")
     assert splits(2048, 3072) == 8 and splits(2048, 64 * 512) == 1
     assert splits(2816, 2048) == 8  # 352-row slices: ragged K tiles of 128
     assert splits(2048, 5632) == 4  # its shared experts' gate/up
-    ran = []
-    monkeypatch.setattr(layers, "uses_gemv", lambda x, w: ran.append(w.shape) or x.size == 704)
+    assert splits(2048, 3072, programs=512) == 8 and splits(2048, 5632, programs=512) == 8
+    ran = spy(monkeypatch, expert_gemv, "expert_gemv")
+    every = GPU.replace(gemv_min_weights=1)  # these small matrices too
     rng = np.random.default_rng(5)
-    lin = layers.Linear(704, 96, ("embed", "mlp"), dtype=jnp.float32, rngs=nnx.Rngs(0))
-    mlp = layers.MLP(704, 48, dtype=jnp.float32, rngs=nnx.Rngs(1))
+    lin = layers.Linear(704, 96, ("embed", "mlp"), dtype=jnp.float32, rngs=nnx.Rngs(0),
+                        kernels=every)  # fmt: skip
+    mlp = layers.MLP(704, 48, dtype=jnp.float32, rngs=nnx.Rngs(1), kernels=every)
     for x in (rng.standard_normal((1, 1, 704)), rng.standard_normal((2, 3, 704))):
         x = jnp.asarray(x, jnp.float32)
         np.testing.assert_allclose(lin(x), x @ lin.kernel[...], rtol=1e-4, atol=1e-3)
         wgu = mlp.gate_up[...]
         h = jnp.einsum("...d,dci->...ci", x, wgu)
-        want = mlp.down(jax.nn.silu(h[..., 0, :]) * h[..., 1, :])
+        want = (jax.nn.silu(h[..., 0, :]) * h[..., 1, :]) @ mlp.down.kernel[...]
         np.testing.assert_allclose(mlp(x), want, rtol=1e-4, atol=1e-3)
-    assert (704, 2, 48) in ran and (704, 96) in ran
+    # the one-row calls, and only those: the Linear, the MLP's gate/up (flattened to 2I
+    # columns, split over K) and its down projection
+    shapes = [(a[2].shape[1:], k["splits"]) for a, k in ran]
+    assert shapes == [((704, 96), 2), ((704, 96), 2), ((48, 704), 1)]
 
 
 def test_mla_head_projections_take_the_gemv_at_one_row(monkeypatch):
-    """layers.head_matmul, MLA's absorbed per-head projections: at one row per head on a lone
-    GPU the Pallas GEMV with the heads as experts (interpreted here, forced), the same numbers
-    as XLA's batched dot, at w_uk's and w_uv's shapes; more rows keep XLA's dot."""
-    from kdj.models import layers
-
+    """layers.head_matmul, MLA's absorbed per-head projections: at one row per head under
+    the GPU policy the Pallas GEMV with the heads as experts (interpreted here), the same
+    numbers as XLA's batched dot, at w_uk's and w_uv's shapes; more rows keep XLA's dot."""
     rng = np.random.default_rng(9)
     w_uk = jnp.asarray(rng.standard_normal((4, 128, 64)), jnp.float32)  # [H, nope, C]
     w_uv = jnp.asarray(rng.standard_normal((4, 64, 32)), jnp.float32)  # [H, C, v]
-    one, many = jnp.zeros((1, 1, 4, 128)), jnp.zeros((2, 3, 4, 128))
-    assert not layers.uses_head_gemv(one, w_uk)  # CPU: XLA
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(jax, "device_count", lambda: 1)
-    assert layers.uses_head_gemv(one, w_uk) and not layers.uses_head_gemv(many, w_uk)
-    monkeypatch.undo()
-    ran = []
-    kernel = expert_gemv.expert_gemv
-    monkeypatch.setattr(layers, "uses_head_gemv", lambda x, w: x.size == w.shape[0] * w.shape[1])
-    monkeypatch.setattr(
-        expert_gemv, "expert_gemv", lambda *a, **k: ran.append(1) or kernel(*a, **k)
-    )
+    assert not XLA.head_gemv_for(1)
+    assert GPU.head_gemv_for(1) and not GPU.head_gemv_for(6)
+    assert not KernelPolicy.default("gpu", sharded=True).head_gemv_for(1)
+    ran = spy(monkeypatch, expert_gemv, "expert_gemv")
     for w in (w_uk, w_uv):
         for shape in ((1, 1), (2, 3)):
             x = jnp.asarray(rng.standard_normal((*shape, 4, w.shape[1])), jnp.float32)
             want = np.einsum("bthk,hkf->bthf", np.asarray(x, np.float64), np.asarray(w, np.float64))
-            got = layers.head_matmul(x, w)
+            got = layers.head_matmul(x, w, GPU)
             assert got.shape == (*shape, 4, w.shape[2])
             np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-3)
     assert len(ran) == 2  # the one-row calls, and only those
@@ -213,10 +217,10 @@ def test_gemv_kernel_refuses_mismatched_weights():
 
 @pytest.mark.parametrize("fmt", ["float", "int4", "fp8"])
 def test_gathered_experts_through_the_kernel_match_the_dense_loop(fmt, monkeypatch):
-    """expert_swiglu_gathered with ExpertWeight.matvec on the kernel (as on a GPU) computes
-    the SwiGLU experts of the dequantised weights: gate/up [E, D, 2, I] flattened to 2I
-    columns (their scales likewise), down [E, I, D]."""
-    monkeypatch.setattr(deepseek, "gemv_kernel", lambda w: True)
+    """expert_swiglu_gathered with ExpertWeight.matvec on the kernel (the GPU policy)
+    computes the SwiGLU experts of the dequantised weights: gate/up [E, D, 2, I] flattened to
+    2I columns (their scales likewise), down [E, I, D]."""
+    ran = spy(monkeypatch, expert_gemv, "expert_gemv")
     rng = np.random.default_rng(3)
     E, D, I, k, tokens = 6, 64, 32, 2, 3
     x = jnp.asarray(rng.standard_normal((tokens, D)), jnp.float32)
@@ -228,7 +232,9 @@ def test_gathered_experts_through_the_kernel_match_the_dense_loop(fmt, monkeypat
     dense = [np.asarray(a.dense(jnp.float32)) for a in q]
     wg, wu = dense[0][:, :, 0], dense[0][:, :, 1]
     want = dense_reference(np.asarray(x), np.asarray(w), np.asarray(idx), wg, wu, dense[1])
-    got = np.asarray(expert_swiglu_gathered(x, w, idx, *q))
+    assert all(a.gemv_kernel(GPU) and not a.gemv_kernel(XLA) for a in q)
+    got = np.asarray(expert_swiglu_gathered(x, w, idx, *q, kernels=GPU))
+    assert len(ran) == 2  # gate/up, then down
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
 
 
@@ -289,7 +295,6 @@ def test_grouped_kernel_matches_the_dequantised_weights(fmt, n):
         ("gemv-split", 2),
         ("grouped", 24),
         ("grouped", 300),
-        ("grouped-swiglu", 300),
         ("grouped-cols", 24),
     ],
 )
@@ -310,24 +315,17 @@ def test_expert_kernels_lower_to_triton_modules_that_verify(kernel, n, fmt, monk
 
     lower_to_triton = lowering.lower_jaxpr_to_triton_module
     monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
-    # n = 300: 75 rows per expert, the grouped kernel's big tiles; SwiGLU: gate | up of 128
-    E, K, F = 4, 256, 256 if kernel == "grouped-swiglu" else 128
+    E, K, F = 4, 256, 128  # n = 300: 75 rows per expert, the grouped kernel's big tiles
     w = jnp.zeros((E, K, F), jnp.bfloat16)
     value, scale = quant_fp8_stacked(w, block=128) if fmt == "fp8" else quantised(w, fmt)
     x, ids = jnp.zeros((n, K), jnp.bfloat16), jnp.zeros((n,), jnp.int32)
-
-    def swiglu(x, ids, v, s, fmt, interpret):
-        t = expert_grouped.tiles(fmt, n / E)
-        rows, be = expert_grouped.blocks(ids, E, t["block_m"])
-        return expert_grouped.grouped_matmul(x, rows, be, v, s, fmt, swiglu=True,
-                                             interpret=interpret, **t)  # fmt: skip
 
     def cols_first(*args, **kw):  # the other grid order, bf16 out (the MoE layer's)
         return expert_grouped.expert_grouped(*args, **kw, cols_first=True, out_dtype=x.dtype)
 
     fn = {"gemv": expert_gemv.expert_gemv, "grouped": expert_grouped.expert_grouped,
           "gemv-split": functools.partial(expert_gemv.expert_gemv, splits=2),
-          "grouped-swiglu": swiglu, "grouped-cols": cols_first}[kernel]  # fmt: skip
+          "grouped-cols": cols_first}[kernel]  # fmt: skip
     run = jax.jit(lambda x, ids, v, s: fn(x, ids, v, s, fmt, interpret=False))
     run.trace(x, ids, value, scale).lower(lowering_platforms=("cuda",))
     assert verified
@@ -354,37 +352,20 @@ def swiglu_case(fmt, tokens, seed=5):
 @pytest.mark.parametrize("fmt", ["float", "int4", "fp8"])
 @pytest.mark.parametrize("tokens", [6, 150])  # 3 rows per expert; 75: the big row blocks
 def test_the_layer_takes_the_grouped_kernel_for_many_tokens(fmt, tokens, monkeypatch):
-    """Past the gather threshold, where the grouped kernel tiles the experts (on a GPU; here
-    forced and interpreted), local_experts runs it and computes the SwiGLU experts of the
+    """Past the gather threshold, where the grouped kernel tiles the experts (the GPU policy;
+    here interpreted), local_experts runs it and computes the SwiGLU experts of the
     dequantised weights (gate/up flattened to 2I columns, FP8 in whole 128 x 128 blocks)."""
-    monkeypatch.setattr(deepseek, "grouped_kernel", lambda w: True)
-    ran = []
-    kernel = expert_grouped.grouped_matmul
-    monkeypatch.setattr(
-        expert_grouped, "grouped_matmul", lambda *a, **k: ran.append(1) or kernel(*a, **k)
-    )
+    ran = spy(monkeypatch, expert_grouped, "grouped_matmul")
     x, w, idx, q, want = swiglu_case(fmt, tokens)  # 12 or 300 assignments: grouped GEMMs
-    got = np.asarray(deepseek.local_experts(x, w, idx, *q, first=0), np.float32)
+    assert 12 > GPU.gather_limit(True) * 4  # past the gather limit even with the GEMV
+    got = np.asarray(deepseek.local_experts(x, w, idx, *q, first=0, kernels=GPU), np.float32)
     assert len(ran) == 2  # the kernel ran twice: gate/up, then down
     np.testing.assert_allclose(got, want, rtol=0.05, atol=0.05)
-
-
-@pytest.mark.parametrize("fmt", ["float", "int4", "fp8"])
-@pytest.mark.parametrize("tokens", [6, 150])
-def test_fused_swiglu_epilogue_matches_the_dense_experts(fmt, tokens):
-    """The candidate with SwiGLU in the gate/up kernel's epilogue (activations written in
-    x's dtype) computes the same experts, and what the unfused form computes."""
-    x, w, idx, q, want = swiglu_case(fmt, tokens)
-    fused = np.asarray(deepseek.expert_swiglu_grouped(x, w, idx, *q, fused=True), np.float32)
-    plain = np.asarray(deepseek.expert_swiglu_grouped(x, w, idx, *q), np.float32)
-    np.testing.assert_allclose(fused, want, rtol=0.05, atol=0.05)
-    np.testing.assert_allclose(fused, plain, rtol=0.02, atol=0.02)
 
 
 def test_grouped_experts_skip_other_shards_assignments(monkeypatch):
     """Under expert parallelism (first > 0, experts held here 2..5 of 8) the grouped path
     gives other shards' assignments no rows, and the result is the local experts' share."""
-    monkeypatch.setattr(deepseek, "grouped_kernel", lambda w: True)
     real_rows = []
     kernel = expert_grouped.grouped_matmul
     monkeypatch.setattr(expert_grouped, "grouped_matmul", lambda x, rows, *a, **kw: (
@@ -402,6 +383,6 @@ def test_grouped_experts_skip_other_shards_assignments(monkeypatch):
     wg, wu = np.asarray(wgu)[:, :, 0], np.asarray(wgu)[:, :, 1]
     want = dense_reference(np.asarray(x), np.where(mine, np.asarray(w), 0.0),
                            np.where(mine, local, 0), wg, wu, np.asarray(wd))  # fmt: skip
-    got = np.asarray(deepseek.local_experts(x, w, idx, wgu, wd, first=first))
+    got = np.asarray(deepseek.local_experts(x, w, idx, wgu, wd, first=first, kernels=GPU))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     assert real_rows == [int(mine.sum())] * 2  # both matmuls: the local assignments only

@@ -110,14 +110,46 @@ def test_mla_random_tree(T, dtype, cfg):
 
 def test_slot_splits():
     """Plain decode spreads a row's slots over programs of one K block each (its only
-    parallelism at batch 1 over one KV head); a tree keeps splits of 8 blocks."""
+    parallelism at batch 1 over one KV head); a tree keeps splits of 8 blocks: the policy's
+    rule, which the kernel takes as given."""
+    from kdj.kernels import DEFAULT
     from kdj.pallas.tree_attention import slot_splits
 
-    assert slot_splits(B=1, KVH=1, nq=1, S=640, T=1, bk=64) == 10  # Moonlight, 512 context
-    assert slot_splits(B=1, KVH=1, nq=1, S=640, T=17, bk=64) == 1
-    assert slot_splits(B=1, KVH=1, nq=2, S=32768, T=1, bk=64) == 132  # ~264 programs in all
-    assert slot_splits(B=1, KVH=8, nq=1, S=32768, T=17, bk=64) == 33
-    assert slot_splits(B=4, KVH=1, nq=1, S=32, T=1, bk=64) == 1  # less than one block
+    def splits(B, KVH, nq, S, T, bk=64, policy=DEFAULT):
+        return slot_splits(B, KVH, nq, S, bk, programs=policy.attention_programs,
+                           min_blocks=policy.min_split_blocks(T))  # fmt: skip
+
+    assert splits(B=1, KVH=1, nq=1, S=640, T=1) == 10  # Moonlight, 512 context
+    assert splits(B=1, KVH=1, nq=1, S=640, T=17) == 1
+    assert splits(B=1, KVH=1, nq=2, S=32768, T=1) == 132  # ~264 programs in all
+    assert splits(B=1, KVH=8, nq=1, S=32768, T=17) == 33
+    assert splits(B=4, KVH=1, nq=1, S=32, T=1) == 1  # less than one block
+    eight = DEFAULT.replace(decode_split_blocks=8)  # a policy with 8-block decode splits
+    assert splits(B=1, KVH=1, nq=1, S=640, T=1, policy=eight) == 1
+
+
+def test_the_model_passes_its_policy_to_the_kernel(monkeypatch):
+    """layers.attend / attend_latent hand the policy's split rule to the kernel, which then
+    computes the reference's numbers (interpreted here); the reference policy keeps XLA."""
+    from kdj.kernels import KernelPolicy
+    from kdj.models.layers import attend, attend_latent
+
+    seen, real = [], ta.slot_splits
+    monkeypatch.setattr(ta, "slot_splits", lambda *a, **k: seen.append(k) or real(*a, **k))
+    gpu = KernelPolicy.default("gpu").replace(attention_programs=99, split_blocks=3)
+    B, T, H, KVH, hd = 2, 5, 4, 2, 32
+    rng, q, k, v, start = inputs(21, B, T, H, KVH, hd, hd, jnp.float32)
+    tree = random_trees(rng, B, T)
+    want = reference_attention(q, k, v, start, tree, 0.2)
+    check(attend(q, k, v, start, tree, 0.2, KernelPolicy()), want, jnp.float32)
+    assert not seen  # the reference policy: XLA
+    check(attend(q, k, v, start, tree, 0.2, gpu), want, jnp.float32)
+    assert seen == [{"programs": 99, "min_blocks": 3}]
+    _, q, kv, _, start = inputs(22, B, 1, H, 1, 80, 1, jnp.float32)  # MLA decode, C = 64
+    tree = causal_tree(B, 1)
+    got = attend_latent(q, kv, start, tree, 0.1, 64, gpu)
+    check(got, reference_attention(q, kv, kv[..., :64], start, tree, 0.1), jnp.float32)
+    assert seen[1:] == [{"programs": 99, "min_blocks": 1}]
 
 
 def test_mask_error_is_caught():

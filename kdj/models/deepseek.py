@@ -19,6 +19,7 @@ from kdj.checkpoints.quant import (
     quant_int4_stacked,
 )
 from kdj.config import ModelConfig
+from kdj.kernels import KernelPolicy
 from kdj.models.layers import (
     MLP,
     Linear,
@@ -47,20 +48,21 @@ class MLAAttention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs):
         D, H = cfg.hidden_size, cfg.num_heads
         C, R, N, V = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+        lin = dict(dtype=dtype, rngs=rngs, kernels=cfg.kernels)
         if cfg.q_lora_rank:
             Q = cfg.q_lora_rank
-            self.q_a = Linear(D, Q, ("embed", "q_lora"), dtype=dtype, rngs=rngs)
+            self.q_a = Linear(D, Q, ("embed", "q_lora"), **lin)
             self.q_a_norm = RMSNorm(Q, cfg.rms_norm_eps, dtype=dtype, axes=("q_lora",))
-            self.q_b = Linear(Q, H * (N + R), ("q_lora", "q_heads"), dtype=dtype, rngs=rngs)
+            self.q_b = Linear(Q, H * (N + R), ("q_lora", "q_heads"), **lin)
             self.q_proj = None
         else:
             self.q_a = self.q_a_norm = self.q_b = None
-            self.q_proj = Linear(D, H * (N + R), ("embed", "q_heads"), dtype=dtype, rngs=rngs)
-        self.kv_a = Linear(D, C + R, ("embed", "kv_lora"), dtype=dtype, rngs=rngs)
+            self.q_proj = Linear(D, H * (N + R), ("embed", "q_heads"), **lin)
+        self.kv_a = Linear(D, C + R, ("embed", "kv_lora"), **lin)
         self.kv_a_norm = RMSNorm(C, cfg.rms_norm_eps, dtype=dtype, axes=("kv_lora",))
         self.w_uk = param(rngs, (H, N, C), ("heads", "head_dim", "kv_lora"), dtype, C**-0.5)
         self.w_uv = param(rngs, (H, C, V), ("heads", "kv_lora", "head_dim"), dtype, C**-0.5)
-        self.o = Linear(H * V, D, ("q_heads", "embed"), dtype=dtype, rngs=rngs)
+        self.o = Linear(H * V, D, ("q_heads", "embed"), **lin)
         self.cfg = cfg
 
     def __call__(self, x, positions, start, tree, k_cache, v_cache):
@@ -79,10 +81,10 @@ class MLAAttention(nnx.Module):
         k_pe = apply_rope(ckv[..., None, C:], positions, inv_freq, amp, interleaved=True)
         q_pe = apply_rope(q_pe, positions, inv_freq, amp, interleaved=True)
         k_cache = kvc.write(k_cache, jnp.concatenate([latent, k_pe], axis=-1), start)
-        q_lat = head_matmul(q_nope, self.w_uk[...])  # [B, T, H, C]
+        q_lat = head_matmul(q_nope, self.w_uk[...], cfg.kernels)  # [B, T, H, C]
         q_full = jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1)  # [B, T, H, C + R]
-        o_lat = attend_latent(q_full, k_cache, start, tree, softmax_scale(cfg), C)
-        out = head_matmul(o_lat, self.w_uv[...]).reshape(B, T, -1)  # [B, T, H V]
+        o_lat = attend_latent(q_full, k_cache, start, tree, softmax_scale(cfg), C, cfg.kernels)
+        out = head_matmul(o_lat, self.w_uv[...], cfg.kernels).reshape(B, T, -1)  # [B, T, H V]
         return self.o(out), k_cache, v_cache
 
 
@@ -93,7 +95,7 @@ def route(x, router, bias, cfg: ModelConfig):
     [N, k] float32 and expert ids [N, k] int32. The correction bias steers selection only;
     the combine weights are the unbiased scores.
     """
-    logits = matmul(x.astype(jnp.float32), router)  # one token: the Pallas GEMV on a GPU
+    logits = matmul(x.astype(jnp.float32), router, cfg.kernels)
     if cfg.scoring_func == "sigmoid":
         scores = jax.nn.sigmoid(logits)
     else:
@@ -144,29 +146,34 @@ class ExpertWeight:
     def take(self, ids, dtype):
         """Dequantised weights of experts ids [n]: [n, in, *out]. Only those experts are read."""
         if self.fmt == "float":
-            # No barrier: XLA then reads the selected experts straight into the dot instead
-            # of writing the gathered copy out first. On an H200 this took the Moonlight-shape
-            # batch-1 decode step from 11.0 to 7.8 ms (bench/profile_step.py, BENCHMARKS.md).
+            # no barrier: XLA reads the selected experts straight into the dot, no copy
             return self.value[ids]
         scale = None if self.scale is None else self.scale[ids]
         # The barrier pins the gather before the dequantisation: otherwise XLA hoists the
-        # dequantisation and the dot's f32 convert above it and converts EVERY expert each
-        # step (on an H200 that was a 42 GiB f32 copy of Kimi-K2's 384 experts for a
-        # one-token step).
+        # dequantisation above it and converts EVERY expert each step.
         value, scale = jax.lax.optimization_barrier((self.value[ids], scale))
         return dequant_stacked(self.fmt, value, scale, dtype)
 
-    def matvec(self, x, ids):
+    def matvec(self, x, ids, kernels: KernelPolicy):
         """Rows x [n, in] through one expert each, ids [n]: [n, *out] float32. Only the
-        selected experts are read. On GPU the Pallas gathered GEMV reads them as stored and
-        dequantises in registers (kdj/pallas/expert_gemv.py); elsewhere XLA gathers and
-        dequantises them first (`take`), the reference the kernel is tested against."""
-        if not gemv_kernel(self):
+        selected experts are read. Under the expert GEMV kernel (`gemv_kernel`) they are read
+        as stored and dequantised in registers (kdj/pallas/expert_gemv.py); otherwise XLA
+        gathers and dequantises them first (`take`), the reference the kernel is tested
+        against."""
+        if not self.gemv_kernel(kernels):
             w = self.take(ids, x.dtype)
             return jnp.einsum("nd,nd...->n...", x, w, preferred_element_type=jnp.float32)
-        s = expert_gemv.splits(len(ids), *self.layout())  # K split when few assignments
+        s = expert_gemv.splits(len(ids), *self.layout(), programs=kernels.gemv_programs)
         y = expert_gemv.expert_gemv(x, ids, *self.matrix(), self.fmt, splits=s)
         return y.reshape(len(ids), *self.value.shape[2:])
+
+    def gemv_kernel(self, kernels: KernelPolicy) -> bool:
+        """Whether `matvec` runs the Pallas kernel: the policy's choice, for a layout it takes."""
+        return kernels.expert_gemv == "pallas" and expert_gemv.supported(*self.layout())
+
+    def grouped_kernel(self, kernels: KernelPolicy) -> bool:
+        """Whether the grouped Pallas kernel may take these weights (`expert_swiglu_grouped`)."""
+        return kernels.expert_grouped == "pallas" and expert_grouped.supported(*self.layout())
 
     def matrix(self):
         """(value [E, in(/8), F], scale [E, in/g, F'] or None): the output axes flattened, as
@@ -186,18 +193,6 @@ class ExpertWeight:
         if self.fmt == "float":
             return self.value
         return dequant_stacked(self.fmt, self.value, self.scale, dtype)
-
-
-def gemv_kernel(w: ExpertWeight) -> bool:
-    """Whether `ExpertWeight.matvec` runs the Pallas kernel: on GPU, for the shapes it takes.
-    Decided at trace time."""
-    return jax.default_backend() == "gpu" and expert_gemv.supported(*w.layout())
-
-
-def grouped_kernel(w: ExpertWeight) -> bool:
-    """Whether the MoE layer runs the Pallas grouped kernel (`expert_swiglu_grouped`) on w:
-    on GPU, for the shapes it tiles. Decided at trace time."""
-    return jax.default_backend() == "gpu" and expert_grouped.supported(*w.layout())
 
 
 def touched_experts(flat, size: int):
@@ -234,20 +229,20 @@ def expert_swiglu(x, weights, idx, w_gate_up, w_down):
     return combine(y.reshape(N, k, D), weights, x.dtype)
 
 
-def expert_swiglu_gathered(x, weights, idx, w_gate_up, w_down):
+def expert_swiglu_gathered(x, weights, idx, w_gate_up, w_down, kernels: KernelPolicy):
     """Routed expert compute for a handful of tokens: gather each assignment's expert weights.
 
     Same contract as `expert_swiglu`. Reads only the N * k selected experts (duplicates
     included), dequantising just those, which beats grouped GEMMs when N * k is far below E:
-    decode at small batch.
+    decode at small batch. `kernels` decides whether the gather is the Pallas GEMV.
     """
     wgu, wd = ExpertWeight.of(w_gate_up), ExpertWeight.of(w_down)
     N, k = idx.shape
     flat = idx.reshape(-1)
     xs = jnp.repeat(x, k, axis=0)  # [N*k, D], assignment j belongs to token j // k
-    h = wgu.matvec(xs, flat).astype(x.dtype)  # [N*k, 2, I]
+    h = wgu.matvec(xs, flat, kernels).astype(x.dtype)  # [N*k, 2, I]
     h = swiglu(h[:, 0], h[:, 1], x.dtype)
-    y = wd.matvec(h, flat).astype(x.dtype)  # [N*k, D]
+    y = wd.matvec(h, flat, kernels).astype(x.dtype)  # [N*k, D]
     return combine(y.reshape(N, k, -1), weights, x.dtype)
 
 
@@ -266,7 +261,7 @@ def combine(y, weights, dtype):
     return (y.astype(jnp.float32) * weights[..., None]).sum(1).astype(dtype)
 
 
-def expert_swiglu_grouped(x, weights, idx, w_gate_up, w_down, fused: bool = False):
+def expert_swiglu_grouped(x, weights, idx, w_gate_up, w_down):
     """Routed expert compute through the Pallas grouped kernel (GPU; interpreted elsewhere).
     Same contract as `expert_swiglu`, and an id of -1 marks an assignment to skip (another
     shard's expert).
@@ -274,13 +269,7 @@ def expert_swiglu_grouped(x, weights, idx, w_gate_up, w_down, fused: bool = Fals
     The assignments are sorted by expert into row blocks once (kdj/pallas/expert_grouped.py);
     gate/up reads each block's token rows straight from x, and the down projection takes the
     SwiGLU activations in that same padded order, so nothing is repeated or permuted between
-    the two matmuls. Each touched expert is read once per block of its rows.
-
-    fused: SwiGLU in the gate/up kernel's epilogue, activations written once in x's dtype
-    instead of float32 gate and up columns. Measured on an H200 (bench/expert_gather.py,
-    variant "grouped-fused"; BENCHMARKS.md) it was slower at every size but the smallest, with
-    the same tiles (two accumulators per program) or half-width ones, so the layer runs the
-    unfused form."""
+    the two matmuls. Each touched expert is read once per block of its rows."""
     wgu, wd = ExpertWeight.of(w_gate_up), ExpertWeight.of(w_down)
     N, k = idx.shape
     E, I, D = wgu.num_experts, wd.layout()[1], x.shape[1]
@@ -290,25 +279,12 @@ def expert_swiglu_grouped(x, weights, idx, w_gate_up, w_down, fused: bool = Fals
     rows, be = expert_grouped.blocks(flat, E, t_gu["block_m"])  # assignment per padded row
     token = jnp.where(rows >= 0, rows // k, -1)
     gu = (x, token, be, *wgu.matrix(), wgu.fmt)
-    if fused:
-        h = expert_grouped.grouped_matmul(*gu, swiglu=True, **t_gu)  # [P, I], x's dtype
-    else:  # [P, 2I] in x's dtype, gate columns first
-        h = expert_grouped.grouped_matmul(*gu, out_dtype=x.dtype, **t_gu)
-        h = swiglu(h[:, :I], h[:, I:], x.dtype)
+    h = expert_grouped.grouped_matmul(*gu, out_dtype=x.dtype, **t_gu)  # [P, 2I], gate first
+    h = swiglu(h[:, :I], h[:, I:], x.dtype)
     same = jnp.where(rows >= 0, jnp.arange(rows.shape[0]), -1)
     y = expert_grouped.grouped_matmul(h, same, be, *wd.matrix(), wd.fmt, out_dtype=x.dtype, **t_d)
     y = y[expert_grouped.positions(rows, flat.size)].reshape(N, k, D)  # [N, k, D]
     return combine(jnp.where((idx >= 0)[..., None], y, 0), weights, x.dtype)  # -1: no term
-
-
-# Up to this many token-expert assignments per expert, gathering beats grouped GEMMs.
-# With the Pallas GEMV (GPU): 1.0, where the gathered path never reads more expert matrices
-# than there are experts (the most a grouped GEMM reads). Measured on an H200
-# (bench/expert_gather.py, BENCHMARKS.md "Expert GEMV"), one Moonlight MoE layer, kernel vs
-# ragged_dot, bf16: 6 assignments 47 vs 286 us, 48: 210 vs 321, 96 (1.5 per expert): 330 vs
-# 342; FP8 3-7x apart. Without it (XLA gathers, and dequantises each gathered copy): 0.25;
-# a 64-expert grouped matmul sits at a ~0.11 ms floor for few tokens (ANCHORS.md).
-GATHER_MAX_ASSIGNMENTS_PER_EXPERT = {"kernel": 1.0, "xla": 0.25}
 
 
 class MoE(nnx.Module):
@@ -326,13 +302,12 @@ class MoE(nnx.Module):
         # data slots (not static None): MoE.quantize puts the scales here
         self.gate_up_scale = self.down_scale = nnx.data(None)
         self.expert_format = "float"
-        n_shared = cfg.n_shared_experts
-        self.shared = MLP(D, I * n_shared, dtype=dtype, rngs=rngs) if n_shared else None
+        shared = I * cfg.n_shared_experts
+        self.shared = (
+            MLP(D, shared, dtype=dtype, rngs=rngs, kernels=cfg.kernels) if shared else None
+        )
         self.cfg = cfg
         self.shard = None  # a kdj.sharding.Sharding when experts are spread over a mesh
-        # Static: when set (bench/roofline.py), each call sows its expert ids [N, k] as an
-        # nnx.Intermediate "routing", so a harness can count the experts a step touched.
-        self.record_routing = False
 
     def experts(self) -> tuple[ExpertWeight, ExpertWeight]:
         """(gate_up [E, D, 2, I], down [E, I, D]) as held."""
@@ -346,12 +321,11 @@ class MoE(nnx.Module):
         flat = x.reshape(B * T, D)
         bias = None if self.bias is None else self.bias[...]
         w, idx = route(flat, self.router[...], bias, self.cfg)
-        if self.record_routing:
-            self.sow(nnx.Intermediate, "routing", idx)
+        kernels = self.cfg.kernels
         if self.shard is None:
-            out = local_experts(flat, w, idx, *self.experts(), first=0)
+            out = local_experts(flat, w, idx, *self.experts(), first=0, kernels=kernels)
         else:
-            out = sharded_experts(self.shard, flat, w, idx, *self.experts())
+            out = sharded_experts(self.shard, flat, w, idx, *self.experts(), kernels)
         out = out.reshape(B, T, D)
         return out if self.shared is None else out + self.shared(x)
 
@@ -388,29 +362,32 @@ def quantize_experts(model, fmt: str, **kw) -> None:
             module.quantize(fmt, **kw)
 
 
-def local_experts(x, weights, idx, w_gate_up, w_down, first):
+def local_experts(x, weights, idx, w_gate_up, w_down, first, kernels: KernelPolicy):
     """Tokens x [N, D] through the experts held here: global ids first .. first + E_local - 1.
 
     Assignments to other experts get weight 0 (another shard computes them). The path is
-    chosen at trace time from static shapes: gathering the selected experts' weights for a
-    handful of tokens, grouped GEMMs otherwise (the Pallas kernel on GPU, else ragged_dot).
+    chosen at trace time from static shapes and `kernels`: gathering the selected experts'
+    weights up to the policy's gather limit, grouped GEMMs beyond (the Pallas kernel where
+    the policy has it, else ragged_dot).
     """
     w_gate_up, w_down = ExpertWeight.of(w_gate_up), ExpertWeight.of(w_down)
     E_local = w_gate_up.num_experts
     local = idx - first
     mine = (local >= 0) & (local < E_local)
     weights = jnp.where(mine, weights, 0.0)
-    path = "kernel" if gemv_kernel(w_gate_up) and gemv_kernel(w_down) else "xla"
-    few = idx.size <= GATHER_MAX_ASSIGNMENTS_PER_EXPERT[path] * E_local
-    if not few and grouped_kernel(w_gate_up) and grouped_kernel(w_down):
+    gemv = w_gate_up.gemv_kernel(kernels) and w_down.gemv_kernel(kernels)
+    few = idx.size <= kernels.gather_limit(gemv) * E_local
+    if not few and w_gate_up.grouped_kernel(kernels) and w_down.grouped_kernel(kernels):
         # other shards' assignments (-1) get no rows at all
         return expert_swiglu_grouped(x, weights, jnp.where(mine, local, -1), w_gate_up, w_down)
     # the other paths take them through local expert 0 at weight 0
-    experts = expert_swiglu_gathered if few else expert_swiglu  # else: XLA's ragged_dot
-    return experts(x, weights, jnp.where(mine, local, 0), w_gate_up, w_down)
+    local = jnp.where(mine, local, 0)
+    if few:
+        return expert_swiglu_gathered(x, weights, local, w_gate_up, w_down, kernels)
+    return expert_swiglu(x, weights, local, w_gate_up, w_down)  # XLA's ragged_dot
 
 
-def sharded_experts(shard, x, weights, idx, w_gate_up, w_down):
+def sharded_experts(shard, x, weights, idx, w_gate_up, w_down, kernels: KernelPolicy):
     """Expert parallelism with shard_map: each device computes its own experts (and, under
     tensor-parallel rules, its slice of each expert's FFN) for the tokens it holds, then the
     partial outputs are summed over the expert (and FFN) axes. When the batch is also split
@@ -433,7 +410,7 @@ def sharded_experts(shard, x, weights, idx, w_gate_up, w_down):
         if gather:
             x, weights, idx = (jax.lax.all_gather(a, e_ax, tiled=True) for a in (x, weights, idx))
         first = 0 if e_ax is None else jax.lax.axis_index(e_ax) * wgu.num_experts
-        y = local_experts(x, weights, idx, wgu, wd, first)
+        y = local_experts(x, weights, idx, wgu, wd, first, kernels)
         if f_ax is not None:
             y = jax.lax.psum(y, f_ax)
         if gather:

@@ -56,6 +56,9 @@ class DrafterConfig:
                              "shallow for this many distinct taps at the default spacing: "
                              "give target_layer_ids, or fewer drafter layers)")  # fmt: skip
 
+    def with_kernels(self, kernels) -> DrafterConfig:
+        return dataclasses.replace(self, layers=self.layers.with_kernels(kernels))
+
     @property
     def num_features(self) -> int:
         return len(self.target_layer_ids)
@@ -78,10 +81,11 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
 class DrafterAttention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs):
         D, H, KVH, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q = Linear(D, H * hd, ("embed", "q_heads"), dtype=dtype, rngs=rngs)
-        self.k = Linear(D, KVH * hd, ("embed", "kv_heads"), dtype=dtype, rngs=rngs)
-        self.v = Linear(D, KVH * hd, ("embed", "kv_heads"), dtype=dtype, rngs=rngs)
-        self.o = Linear(H * hd, D, ("q_heads", "embed"), dtype=dtype, rngs=rngs)
+        lin = dict(dtype=dtype, rngs=rngs, kernels=cfg.kernels)
+        self.q = Linear(D, H * hd, ("embed", "q_heads"), **lin)
+        self.k = Linear(D, KVH * hd, ("embed", "kv_heads"), **lin)
+        self.v = Linear(D, KVH * hd, ("embed", "kv_heads"), **lin)
+        self.o = Linear(H * hd, D, ("q_heads", "embed"), **lin)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype, axes=("head_dim",))
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype, axes=("head_dim",))
         self.cfg = cfg
@@ -138,14 +142,16 @@ class DrafterLayer(nnx.Module):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.attn = DrafterAttention(cfg, dtype=dtype, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs,
+                       kernels=cfg.kernels)  # fmt: skip
 
 
 class Drafter(nnx.Module):
     def __init__(self, cfg: DrafterConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
         lc = cfg.layers
         D = lc.hidden_size
-        self.fc = Linear(cfg.num_features * D, D, ("features", "embed"), dtype=dtype, rngs=rngs)
+        self.fc = Linear(cfg.num_features * D, D, ("features", "embed"), dtype=dtype, rngs=rngs,
+                         kernels=lc.kernels)  # fmt: skip
         self.hidden_norm = RMSNorm(D, lc.rms_norm_eps, dtype=dtype)
         self.layers = nnx.List(
             [DrafterLayer(lc, dtype=dtype, rngs=rngs) for _ in range(lc.num_layers)]

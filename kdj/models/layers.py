@@ -7,7 +7,6 @@ angles in float32 (as the Hugging Face reference does).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -16,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from kdj.config import ModelConfig
+from kdj.kernels import KernelPolicy
 from kdj.pallas import expert_gemv, tree_attention
 
 NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax rather than NaN
@@ -37,57 +37,25 @@ def zeros(shape, axes, dtype) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, dtype), axes=tuple(axes))
 
 
-# One-row matmuls (batch-1 decode) of mid-sized weight matrices run through the Pallas GEMV.
-# XLA rewrites such a one-row dot into a multiply + reduce: Moonlight's attention and
-# shared-expert projections (8-23M weights) ran at 0.4-1.1 TB/s, the GEMV split over K at
-# 0.7-1.6 TB/s, and the batch-1 decode loop went from 4.50 to 3.64 ms per step
-# (bench/dense_gemv.py, profile_step.py "ar-xla-dense"; BENCHMARKS.md "Dense projections").
-# The floor was 2M weights until the decode loop's profile showed XLA's form of MLA's kv_a
-# [2048, 576] and the router [2048, 64] costing 7.3 and 5.7 us a layer (profile_step.py
-# "ar-xla-small" keeps the old floor; BENCHMARKS.md "Small projections"). From 16M up XLA's
-# dot runs at 2.7-4.2 TB/s and stays.
-GEMV_MIN_WEIGHTS, GEMV_MAX_WEIGHTS = 1 << 17, 1 << 24
-
-
-def lone_gpu() -> bool:
-    """Whether the Pallas GEMVs may run: on a GPU, alone (a pallas_call has no partitioning
-    rule, so sharded weights stay with XLA). Static."""
-    return jax.default_backend() == "gpu" and jax.device_count() == 1
-
-
-def uses_gemv(x, w) -> bool:
-    """Whether matmul(x, w) runs the Pallas GEMV: one row, a mid-sized matrix, on a lone
-    GPU. Static."""
-    return (
-        math.prod(x.shape[:-1]) == 1
-        and GEMV_MIN_WEIGHTS <= w.size < GEMV_MAX_WEIGHTS
-        and lone_gpu()
-    )
-
-
-def uses_head_gemv(x, w) -> bool:
-    """Whether head_matmul(x, w) runs the Pallas GEMV: one row per head, on a lone GPU.
-    Static. No size floor: XLA's form of this matvec (a reduction over the middle axis of
-    w [H, K, F]) is no fusion win to keep."""
-    return math.prod(x.shape[:-2]) == 1 and lone_gpu()
-
-
-def matmul(x, w):
-    """x [..., K] @ w [K, *out] -> [..., *out] in their result dtype (float32 accumulation)."""
-    if not uses_gemv(x, w):  # XLA's dot (w keeps its shape: a flattening could reshard it)
-        return jnp.tensordot(x, w, axes=1)
+def matmul(x, w, kernels: KernelPolicy):
+    """x [..., K] @ w [K, *out] -> [..., *out] in their result dtype (float32 accumulation).
+    One row through a mid-sized matrix runs the Pallas GEMV split over K where `kernels`
+    says so: XLA rewrites a one-row dot into a multiply + reduce that streams at ~1 TB/s."""
+    if not kernels.dense_gemv_for(math.prod(x.shape[:-1]), w.size):
+        return jnp.tensordot(x, w, axes=1)  # w keeps its shape: a flattening could reshard it
     K, out = w.shape[0], w.shape[1:]
     w2 = w.reshape(1, K, -1)  # one "expert"; its id a numpy constant (a traced one: a kernel)
-    s = expert_gemv.splits(1, "float", K, w2.shape[2])
+    s = expert_gemv.splits(1, "float", K, w2.shape[2], programs=kernels.gemv_programs)
     y = expert_gemv.expert_gemv(x.reshape(1, K), np.zeros(1, np.int32), w2, splits=s)
     return y.astype(jnp.result_type(x, w)).reshape(*x.shape[:-1], *out)
 
 
-def head_matmul(x, w):
+def head_matmul(x, w, kernels: KernelPolicy):
     """Each head's own matmul: x [..., H, K] @ w [H, K, F] -> [..., H, F] in their result
-    dtype (float32 accumulation). MLA's absorbed projections (w_uk, w_uv) at batch-1 decode
-    run the Pallas GEMV with the heads as its "experts"; anything else XLA's batched dot."""
-    if not uses_head_gemv(x, w):
+    dtype (float32 accumulation). MLA's absorbed projections (w_uk, w_uv) at one row per head
+    run the Pallas GEMV with the heads as its "experts" where `kernels` says so; anything
+    else XLA's batched dot."""
+    if not kernels.head_gemv_for(math.prod(x.shape[:-2])):
         return jnp.einsum("...hk,hkf->...hf", x, w)
     H, K, F = w.shape
     y = expert_gemv.expert_gemv(x.reshape(H, K), np.arange(H, dtype=np.int32), w)  # [H, F]
@@ -97,12 +65,13 @@ def head_matmul(x, w):
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias); kernel is [in, out] (the transpose of torch's weight)."""
 
-    def __init__(self, d_in, d_out, axes, *, bias=False, dtype, rngs):
+    def __init__(self, d_in, d_out, axes, *, bias=False, dtype, rngs, kernels: KernelPolicy):
         self.kernel = param(rngs, (d_in, d_out), axes, dtype)
         self.bias = zeros((d_out,), axes[1:], dtype) if bias else None
+        self.kernels = kernels
 
     def __call__(self, x):
-        y = matmul(x, self.kernel[...])
+        y = matmul(x, self.kernel[...], self.kernels)
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -125,17 +94,17 @@ class MLP(nnx.Module):
     is launch-bound, and one wide GEMM also streams the weights faster than two narrow ones.
     """
 
-    def __init__(self, dim, hidden, *, dtype, rngs):
+    def __init__(self, dim, hidden, *, dtype, rngs, kernels: KernelPolicy):
         self.gate_up = param(rngs, (dim, 2, hidden), ("embed", None, "mlp"), dtype)
-        self.down = Linear(hidden, dim, ("mlp", "embed"), dtype=dtype, rngs=rngs)
+        self.down = Linear(hidden, dim, ("mlp", "embed"), dtype=dtype, rngs=rngs, kernels=kernels)
+        self.kernels = kernels
 
     def __call__(self, x):
-        h = matmul(x, self.gate_up[...])  # [..., 2, I]
+        h = matmul(x, self.gate_up[...], self.kernels)  # [..., 2, I]
         return self.down(jax.nn.silu(h[..., 0, :]) * h[..., 1, :])
 
 
 # ---------------------------------------------------------------------------------- RoPE
-@functools.lru_cache(maxsize=64)
 def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     """Inverse frequencies [rope_dim // 2] and the cos/sin amplitude, as HF computes them.
 
@@ -259,47 +228,41 @@ def reference_attention(q, k, v, start, tree, scale: float):
     return o.reshape(B, T, H, v.shape[-1])
 
 
-def attend(q, k, v, start, tree, scale: float):
-    """GQA attention of T new queries over the cache (see the mask form above).
-
-    On GPU: the Pallas kernel for T > 1 (1.5-2.4x faster than the reference on the H200,
-    bench/results/tree_attention_heads_major_2026-11-29.json); plain decode (T = 1) and shapes
-    the kernel does not take stay on the XLA reference, which is as fast there up to ~8K of
-    context (faster at 1K). Decided at trace time.
-    """
+def attend(q, k, v, start, tree, scale: float, kernels: KernelPolicy):
+    """GQA attention of T new queries over the cache (see the mask form above): the Pallas
+    kernel where `kernels` takes it for this T and shape, else the XLA reference."""
     T = q.shape[1]
-    if (
-        jax.default_backend() == "gpu"
-        and T > 1
-        and tree_attention.supported(q.shape, k.shape, v.shape[-1], latent=False)
+    if kernels.attention_kernel_for(T) and tree_attention.supported(
+        q.shape, k.shape, v.shape[-1], latent=False
     ):
-        return tree_attention.tree_attention(q, k, v, start, tree, scale)
+        return tree_attention.tree_attention(
+            q, k, v, start, tree, scale, programs=kernels.attention_programs,
+            min_split_blocks=kernels.min_split_blocks(T),
+        )  # fmt: skip
     return reference_attention(q, k, v, start, tree, scale)
 
 
-# Plain decode (T = 1) runs the latent Pallas kernel from this cache capacity up: all of them
-# since its decode splits became one K block long (kdj/pallas/tree_attention.py,
-# slot_splits). bench/profile_step.py "ar-xla-latent" restores the rule before (16K), to set
-# XLA's form against the kernel.
-LATENT_KERNEL_MIN_DECODE_CAPACITY = 0
-
-
-def attend_latent(q, kv, start, tree, scale: float, v_dim: int):
+def attend_latent(q, kv, start, tree, scale: float, v_dim: int, kernels: KernelPolicy):
     """MLA absorbed attention: q [B, T, H, C + R] over one shared stream kv [B, 1, S, C + R]
-    whose first v_dim = C columns are also the values. Returns [B, T, H, C].
-
-    On GPU the Pallas kernel runs where it measured no slower than the reference: plain
-    decode (T = 1) at any capacity (Moonlight's batch-1 decode loop 6-8% faster at 512 and
-    4,096 tokens of context, in ~160 fewer kernels a step), and T * H >= 32768 (e.g.
-    T >= 256 at H = 128), where it also avoids the reference's [T, H, S] f32 score tensor
-    (34 GB at T = 2048, H = 128, S = 32K). Between those the reference's large matmuls win
-    (1.3x at T = 17). Decided at trace time.
-    """
+    whose first v_dim = C columns are also the values. Returns [B, T, H, C]. The Pallas
+    kernel where `kernels` takes it (plain decode, or very many query rows), else the XLA
+    reference."""
     T, H, S = q.shape[1], q.shape[2], kv.shape[2]
-    if (
-        jax.default_backend() == "gpu"
-        and ((T == 1 and S >= LATENT_KERNEL_MIN_DECODE_CAPACITY) or T * H >= 32768)
-        and tree_attention.supported(q.shape, kv.shape, v_dim, latent=True)
+    if kernels.latent_kernel_for(T, H, S) and tree_attention.supported(
+        q.shape, kv.shape, v_dim, latent=True
     ):
-        return tree_attention.latent_tree_attention(q, kv, start, tree, scale, v_dim)
+        return tree_attention.latent_tree_attention(
+            q, kv, start, tree, scale, v_dim, programs=kernels.attention_programs,
+            min_split_blocks=kernels.min_split_blocks(T),
+        )  # fmt: skip
     return reference_attention(q, kv, kv[..., :v_dim], start, tree, scale)
+
+
+def set_kernels(model: nnx.Module, kernels: KernelPolicy) -> None:
+    """Switch every module of `model` (target or drafter) to kernel policy `kernels`, in
+    place: the modules that hold one and the configs (`with_kernels`). Params untouched."""
+    for _, module in nnx.iter_modules(model):
+        if hasattr(module, "kernels"):
+            module.kernels = kernels
+        if hasattr(getattr(module, "cfg", None), "with_kernels"):
+            module.cfg = module.cfg.with_kernels(kernels)

@@ -32,7 +32,8 @@ class GQAAttention(nnx.Module):
         axes = ("embed", "kv_heads", None, "head_dim")
         self.qkv = param(rngs, (D, KVH, H // KVH + 2, hd), axes, dtype)
         self.qkv_bias = zeros((KVH, H // KVH + 2, hd), axes[1:], dtype) if cfg.qkv_bias else None
-        self.o = Linear(H * hd, D, ("q_heads", "embed"), bias=cfg.o_bias, dtype=dtype, rngs=rngs)
+        self.o = Linear(H * hd, D, ("q_heads", "embed"), bias=cfg.o_bias, dtype=dtype, rngs=rngs,
+                        kernels=cfg.kernels)  # fmt: skip
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype, axes=("head_dim",))
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype, axes=("head_dim",))
@@ -60,5 +61,5 @@ class GQAAttention(nnx.Module):
         k = apply_rope(k, positions, inv_freq, amp, interleaved=False)
         k_cache = kvc.write(k_cache, k, start)
         v_cache = kvc.write(v_cache, v, start)
-        out = attend(q, k_cache, v_cache, start, tree, softmax_scale(cfg))
+        out = attend(q, k_cache, v_cache, start, tree, softmax_scale(cfg), cfg.kernels)
         return self.o(out.reshape(B, T, H * hd)), k_cache, v_cache

@@ -33,7 +33,7 @@ class Block(nnx.Module):
         if cfg.is_moe_layer(index):
             self.mlp = MoE(cfg, dtype=dtype, rngs=rngs)
         else:
-            self.mlp = MLP(D, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+            self.mlp = MLP(D, cfg.intermediate_size, dtype=dtype, rngs=rngs, kernels=cfg.kernels)
 
     def __call__(self, x, positions, start, tree, k_cache, v_cache):
         h, k_cache, v_cache = self.attn(self.attn_norm(x), positions, start, tree, k_cache, v_cache)
@@ -52,7 +52,7 @@ class Transformer(nnx.Module):
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
-            else Linear(D, V, ("embed", "vocab"), dtype=dtype, rngs=rngs)
+            else Linear(D, V, ("embed", "vocab"), dtype=dtype, rngs=rngs, kernels=cfg.kernels)
         )
         self.cfg = cfg
 

@@ -9,9 +9,10 @@ expert's weight matrix once, straight from HBM as stored, and dequantises it in 
     [E, K/b, F/b]).  ->  y [n, F] float32.
 
 Why a kernel. XLA has no gathered GEMV: it either writes the gathered experts out and reads
-them back (3x the bytes), or, when it fuses the gather into its one-row matmul rewrite
-(multiply + reduce), streams them at ~0.45 TB/s (Moonlight shape, BENCHMARKS.md "Where
-decode time goes"); quantised experts are worse, since XLA dequantises into HBM first.
+them back (3x the bytes), or fuses the gather into its one-row matmul rewrite (multiply +
+reduce), which streams at a fraction of HBM bandwidth; quantised experts are worse, since XLA
+dequantises into HBM first. The dense one-row projections (kdj/models/layers.py) run it too,
+as one "expert".
 
 Work split. One program owns (assignment i, a tile of bf output columns): it walks the K
 axis in tiles, keeping a [bk, bf] float32 partial product in registers and reducing it once
@@ -37,6 +38,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from kdj.kernels import DEFAULT
 
 FORMATS = ("float", "int4", "fp8")
 
@@ -175,23 +178,16 @@ def supported(fmt: str, K: int, F: int, scale_shape=None) -> bool:
     return fmt == "float"
 
 
-# Programs a GEMV grid should have to keep an H200 busy (~2 per SM): with fewer assignments
-# x column tiles than this, K is split into slices that run as programs of their own. 256, not
-# 512: Moonlight's batch-1 decode loop spent 2% less device time a step in each of four paired
-# runs (2.89 against 2.95 ms; bench/profile_step.py "ar-gemv-programs-512", BENCHMARKS.md
-# "Small projections"): its routed gate/up and shared gate/up are cut in half as often.
-PROGRAMS = 256
-
-
-def splits(n: int, fmt: str, K: int, F: int, scale_shape=None) -> int:
+def splits(n: int, fmt: str, K: int, F: int, scale_shape=None, *,
+           programs: int = DEFAULT.gemv_programs) -> int:  # fmt: skip
     """How many K slices `expert_gemv` takes for n assignments of [K, F] matrices in fmt: a
-    power of two that fills PROGRAMS programs, each slice >= 256 inputs and whole scale
-    groups (INT4) or blocks (FP8). One row of Moonlight's q_proj [2048, 3072]: 8 (12.8 us
-    against 24.6 for XLA's dot, BENCHMARKS.md "Dense projections")."""
+    power of two that fills `programs` programs (the kernel policy's gemv_programs), each
+    slice >= 256 inputs and whole scale groups (INT4) or blocks (FP8). One row of
+    Moonlight's q_proj [2048, 3072]: 8."""
     unit = 1 if fmt == "float" else K // scale_shape[1]  # inputs per scale group / block
     tiles = n * -(-F // (32 if fmt == "int4" else 64))  # the default column tiles below
     s = 1
-    while s * tiles < PROGRAMS and K % (2 * s * unit) == 0 and K // (2 * s) >= 256:
+    while s * tiles < programs and K % (2 * s * unit) == 0 and K // (2 * s) >= 256:
         s *= 2
     return s
 
@@ -202,7 +198,7 @@ def expert_gemv(x, ids, value, scale=None, fmt: str = "float", *, splits: int = 
                 num_stages: int | None = None):  # fmt: skip
     """y[i] = x[i] @ W[ids[i]] (see the module docstring). x [n, K]; ids [n] int32; value,
     scale: an expert matrix as stored, 3-D [E, K(/8), F]. Returns [n, F] float32. Tiles default
-    to what measured best on the H200 (bench/expert_gather.py): block_k counts rows of
+    to what measured best on the H200: block_k counts rows of
     `value`, i.e. inputs for float/FP8 and 8-input words for INT4 (whole scale groups).
     splits: K cut into this many slices (`splits` picks it), each slice of each assignment a
     program row of its own, the slices' float32 partial sums added at the end: a handful of

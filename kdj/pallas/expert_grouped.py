@@ -21,9 +21,8 @@ dequantised tile by tile in registers:
     operands are bf16 whatever x's dtype.
   * fp8: a tile never straddles a scale block, so it has one scale.
 
-The MoE layer runs it on the GPU for more tokens than the gathered GEMV takes
-(kdj/models/deepseek.py, `local_experts`); bench/expert_gather.py measures it against XLA's
-ragged_dot (variants "grouped" and "ragged").
+The MoE layer runs it past the gather threshold (kdj/models/deepseek.py, `local_experts`);
+its XLA reference is `jax.lax.ragged_dot` (`expert_swiglu`).
 """
 
 from __future__ import annotations
@@ -68,12 +67,8 @@ def blocks(ids, num_experts: int, bm: int):
     return rows, jnp.where(start < ends[-1], expert, -1)
 
 
-def _kernel(
-    be_ref, rows_ref, x_ref, w_ref, *rest, fmt, K, F, bm, bk, bf, wpg, block, half, cols_first
-):
-    """One (row block, column tile) program; see the module docstring. K: inputs. half > 0:
-    SwiGLU fused, the tile's gate columns j bf.. and up columns half + j bf.. of the same
-    input rows, written as silu(gate) * up."""
+def _kernel(be_ref, rows_ref, x_ref, w_ref, *rest, fmt, K, F, bm, bk, bf, wpg, block, cols_first):
+    """One (row block, column tile) program; see the module docstring. K: inputs."""
     s_ref, o_ref = (None, rest[0]) if fmt == "float" else rest
     b, j = (
         (pl.program_id(1), pl.program_id(0)) if cols_first else (pl.program_id(0), pl.program_id(1))
@@ -82,56 +77,44 @@ def _kernel(
     rows = rows_ref[pl.ds(b * bm, bm)]
     row_ok = (rows >= 0)[:, None]
     r = jnp.maximum(rows, 0)
-    width = half or F  # columns of one part (gate, up, or the whole matrix)
-    col_ok = ((j * bf + jnp.arange(bf)) < width)[None, :] if width % bf else None
-    f0s = (j * bf, half + j * bf) if half else (j * bf,)  # first column of each part's tile
+    col_ok = ((j * bf + jnp.arange(bf)) < F)[None, :] if F % bf else None
+    f0 = j * bf
     ee = jnp.maximum(e, 0)
 
     def load_w(f0, k0, n_rows):
         ref = w_ref.at[ee, pl.ds(k0, n_rows), pl.ds(f0, bf)]
         return plgpu.load(ref, mask=col_ok, other=0) if col_ok is not None else plgpu.load(ref)
 
-    def body(t, accs):
-        accs = list(accs)
+    def body(t, acc):
         if fmt == "int4":
             kw = bk // 8  # words per tile
             G = kw // wpg
             words = t * kw + jnp.arange(kw)
-            ws, scales = [], []
-            for f0 in f0s:
-                ws.append(load_w(f0, t * kw, kw).astype(jnp.int32))  # [kw, bf]
-                cols = jnp.minimum(f0 + jnp.arange(bf), F - 1)
-                scale = s_ref[ee, t * G + jnp.arange(G)[:, None], cols[None, :]]
-                scale = jnp.broadcast_to(scale.astype(jnp.float32)[:, None, :], (G, wpg, bf))
-                scales.append(scale.reshape(kw, bf))
+            w = load_w(f0, t * kw, kw).astype(jnp.int32)  # [kw, bf]
+            cols = jnp.minimum(f0 + jnp.arange(bf), F - 1)
+            scale = s_ref[ee, t * G + jnp.arange(G)[:, None], cols[None, :]]
+            scale = jnp.broadcast_to(scale.astype(jnp.float32)[:, None, :], (G, wpg, bf))
+            scale = scale.reshape(kw, bf)
             for n in range(8):  # nibble plane n: inputs 8 r + n of the tile's words r
                 xn = x_ref[(r * 8 + n)[:, None], words[None, :]]  # [bm, kw]
                 xn = jnp.where(row_ok, xn, 0).astype(jnp.bfloat16)
-                for i, (w, scale) in enumerate(zip(ws, scales)):
-                    u = (_nibbles(w, n) * scale).astype(jnp.bfloat16)
-                    accs[i] += plgpu.dot(xn, u).astype(jnp.float32)
-            return tuple(accs)
+                u = (_nibbles(w, n) * scale).astype(jnp.bfloat16)
+                acc += plgpu.dot(xn, u).astype(jnp.float32)
+            return acc
         ks = t * bk + jnp.arange(bk)
-        xt = jnp.where(row_ok, x_ref[r[:, None], ks[None, :]], 0)  # [bm, bk], shared by parts
+        xt = jnp.where(row_ok, x_ref[r[:, None], ks[None, :]], 0)  # [bm, bk]
         dt = x_ref.dtype  # bf16 on the tensor cores; float32 (tests) at full precision
         prec = lax.Precision.HIGHEST if dt == jnp.float32 else None
-        for i, f0 in enumerate(f0s):
-            w = load_w(f0, t * bk, bk).astype(jnp.float32)
-            if fmt == "fp8":
-                w = w * s_ref[ee, (t * bk) // block, f0 // block].astype(jnp.float32)
-            accs[i] += plgpu.dot(xt, w.astype(dt), precision=prec).astype(jnp.float32)
-        return tuple(accs)
+        w = load_w(f0, t * bk, bk).astype(jnp.float32)
+        if fmt == "fp8":
+            w = w * s_ref[ee, (t * bk) // block, f0 // block].astype(jnp.float32)
+        return acc + plgpu.dot(xt, w.astype(dt), precision=prec).astype(jnp.float32)
 
     # Empty blocks do no work. The trip count stays static (K // bk) and the loop sits under a
-    # branch: a traced trip count lowers to an scf.for whose bounds Triton rejects (i32 vs
-    # index; it failed this way on the H200, and the lowering test now checks it).
-    zero = tuple(jnp.zeros((bm, bf), jnp.float32) for _ in f0s)
-    accs = lax.cond(e >= 0, lambda: lax.fori_loop(0, K // bk, body, zero), lambda: zero)
-    if half:
-        gate, up = accs
-        o_ref[...] = (gate / (1.0 + jnp.exp(-gate)) * up).astype(o_ref.dtype)
-    else:
-        o_ref[...] = accs[0].astype(o_ref.dtype)
+    # branch: Triton rejects the scf.for a traced trip count lowers to (bounds i32 vs index).
+    zero = jnp.zeros((bm, bf), jnp.float32)
+    acc = lax.cond(e >= 0, lambda: lax.fori_loop(0, K // bk, body, zero), lambda: zero)
+    o_ref[...] = acc.astype(o_ref.dtype)
 
 
 def tile_k(K: int, block_k: int = 128) -> int:
@@ -159,19 +142,11 @@ def supported(fmt: str, K: int, F: int, scale_shape=None, bk: int | None = None)
 
 
 def tiles(fmt: str, rows_per_expert: float) -> dict:
-    """Tile settings for a mean of `rows_per_expert` rows per expert (assignments / E).
-
-    A bigger row block reads each weight tile once for more rows, but leaves more padding and
-    fewer programs. Measured on an H200, Moonlight's gate/up [64, 2048, 2816]
-    (bench/expert_gather.py --grouped-tiles, BENCHMARKS.md "Grouped expert kernel"): 16 rows
-    were fastest up to 6 rows per expert (bf16 at 1.5 rows: 128 x 128 tiles with 8 warps,
-    234 us for gate/up against 250 with 128 x 64 and 4), 32 at 24, and at 96 and 384 128
-    rows with 64 x 128 tiles and 8 warps in bf16 (384: 1.17 vs 2.45 ms with 16 rows), 64 rows with
-    128 x 64 tiles in INT4 (2.3 vs 4.5 ms). FP8, not swept, takes INT4's settings (its tiles
-    are at most 128 wide, within a scale block). Grid order (cols_first), gate/up at 384 rows
-    per expert with the column tiles launched first: INT4 2.00 against 2.38 ms, bf16 1.13
-    against 1.15 and 1.07 against 1.09 ms in two runs; at 1.5 rows per expert the two orders
-    were within 3% either way, so those keep the row blocks first."""
+    """Tile settings for a mean of `rows_per_expert` rows per expert (assignments / E), as
+    swept on the H200 over Moonlight's experts. A bigger row block reads each weight tile
+    once for more rows but leaves more padding and fewer programs; at many rows per expert
+    launching the column tiles first keeps one expert's weights in flight together. FP8 takes
+    INT4's settings (tiles of at most 128 fit its scale blocks)."""
     if rows_per_expert < 16:  # bf16 at 1.5 rows (a 16-token verify): 128 x 128 tiles, 8 warps
         bf, warps = (128, 8) if fmt == "float" else (64, 4)
         return dict(block_m=16, block_k=128, block_f=bf, num_warps=warps, cols_first=False)
@@ -184,8 +159,8 @@ def tiles(fmt: str, rows_per_expert: float) -> dict:
 
 def grouped_matmul(x, rows, block_expert, value, scale=None, fmt: str = "float", *,
                    block_m: int, block_k: int, block_f: int, num_warps: int,
-                   num_stages: int = 3, cols_first: bool = False, swiglu: bool = False,
-                   out_dtype=None, interpret: bool | None = None):  # fmt: skip
+                   num_stages: int = 3, cols_first: bool = False, out_dtype=None,
+                   interpret: bool | None = None):  # fmt: skip
     """The kernel on rows already laid out in blocks (`blocks`): padded row p is
     x[rows[p]] @ W[block_expert[p // block_m]] (0 where rows[p] = -1). x [m, K]; rows
     [nb * block_m] int32; value, scale: an expert matrix as stored, 3-D [E, K(/8), F].
@@ -195,8 +170,6 @@ def grouped_matmul(x, rows, block_expert, value, scale=None, fmt: str = "float",
     cols_first: the grid's first (fastest-launched) axis walks the column tiles, so the
     programs running together cover whole rows of one expert's weights; otherwise it walks
     the row blocks, and programs running together share one weight tile across row blocks.
-    swiglu: W is gate/up [gate | up] (F = 2I); returns silu(gate) * up [nb * block_m, I] in
-    out_dtype (default x's dtype), computed in the epilogue (no [.., 2I] round trip).
     interpret: run in Pallas' interpreter (default: everywhere but on a GPU)."""
     if fmt not in FORMATS:
         raise ValueError(f"expert format must be one of {FORMATS}, not {fmt!r}")
@@ -211,22 +184,17 @@ def grouped_matmul(x, rows, block_expert, value, scale=None, fmt: str = "float",
     bm, bf = block_m, min(block_f, bk) if fmt == "fp8" else block_f
     wpg = rows_w // scale.shape[1] if fmt == "int4" else 0
     block = K // scale.shape[1] if fmt == "fp8" else 0
-    half = F // 2 if swiglu else 0
-    if swiglu and (F % 2 or (fmt == "fp8" and half % block)):
-        raise ValueError(f"{fmt} gate/up of {F} columns does not split into gate | up halves")
-    width = half or F
-    nb, nf = block_expert.shape[0], pl.cdiv(width, bf)
+    nb, nf = block_expert.shape[0], pl.cdiv(F, bf)
     xin = deinterleave(x) if fmt == "int4" else x
     kernel = functools.partial(_kernel, fmt=fmt, K=K, F=F, bm=bm, bk=bk, bf=bf, wpg=wpg,
-                               block=block, half=half, cols_first=cols_first)  # fmt: skip
+                               block=block, cols_first=cols_first)  # fmt: skip
     ins = [block_expert, rows, xin, value] + ([] if fmt == "float" else [scale])
-    if out_dtype is None:
-        out_dtype = x.dtype if swiglu else jnp.float32
     y = call(kernel, ins, grid=(nf, nb) if cols_first else (nb, nf), out_block=(bm, bf),
              out_shape=(nb * bm, nf * bf), num_warps=num_warps, num_stages=num_stages,
-             interpret=interpret, name=f"expert_grouped_{fmt}" + ("_swiglu" if swiglu else ""),
-             dtype=out_dtype, transposed=cols_first)  # fmt: skip
-    return y[:, :width]
+             interpret=interpret, name=f"expert_grouped_{fmt}",
+             dtype=jnp.float32 if out_dtype is None else out_dtype,
+             transposed=cols_first)  # fmt: skip
+    return y[:, :F]
 
 
 def positions(rows, n: int):

@@ -14,33 +14,13 @@ the tail blocks that hold the tree (masked by start and tree). Each program writ
 unnormalised f32 partial (o, running max m, running sum l); a small XLA step merges them.
 Without the split, a decode step at batch 1 would run KVH = 8 programs on a 132-SM chip.
 
-Backend: Pallas with the Triton lowering (``jax.experimental.pallas.triton``).
-  * It exists in jax 0.10.2 (CPU CI) and 0.11.2 (H200); 0.11 marks it deprecated (a
-    warning, silenced below), with Mosaic GPU as the successor. But Mosaic GPU kernels have
-    no interpret mode in 0.10.2 and the tests must run this same pallas_call interpreted on
-    CPU; only the Triton-flavoured pallas_call does that in both versions. tokamax and
-    jax-triton are not on the GPU machine, which takes no installs.
-  * Triton wants power-of-two tiles, so the 576-wide MLA head is loaded as 512 + 64.
-
-Measured on the H200, bf16, batch 1, one layer, with the cache [B, KVH, S, D] (each
-program's K/V tiles contiguous; bench/results/tree_attention_heads_major_2026-11-29.json; %
-of the 4.3 TB/s copy bandwidth, bytes = slots < start + T read once + q + out):
-  * Qwen3-8B GQA, 32K context: T = 17: 95 us, 33 % (XLA reference 228 us, 14 %); T = 65:
-    250 us (ref 581). Faster than XLA at T > 1: 2.3-2.4x at 32K, 1.5-1.7x at 1K. Plain decode
-    (T = 1): 62 us vs 73 us for XLA at 32K but 26 vs 21 us at 1K, so ``attend`` keeps XLA
-    there (the decode contexts kdj serves today are short). The earlier [B, S, KVH, D] cache
-    (strided tiles; bench/results/tree_attention.json) gave 116 us at T = 17 and 77 at T = 1.
-    The 70 % goal is not met.
-  * DeepSeek-V3 MLA (T * 128 query rows over one stream): compute-bound at every T > 1,
-    where XLA's large matmuls are up to 1.35x faster (T = 17, 32K: 938 vs 693 us); parity at
-    T = 65, ahead at T = 1, 32K (82 vs 98 us). ``attend_latent`` picks accordingly.
-  * Plain decode (T = 1) splits the slots into one-block programs (`slot_splits`): with
-    8-block splits a short cache ran on two programs (Moonlight, 640 slots: 25 us a layer);
-    with one-block splits 6 us, and MLA decode takes the kernel at every capacity
-    (BENCHMARKS.md "Small projections").
-Why not 70 %: even at T = 1 (no matmul pressure) the loop streams at ~50 % (62 us at 32K),
-so the memory pipeline (Triton's software pipelining, no TMA bulk copies) is the first
-limit; past T = 17 the padded MMA work (rows rounded to 64) adds to it.
+Backend: Pallas with the Triton lowering (``jax.experimental.pallas.triton``). It exists in
+jax 0.10 (CPU CI) and 0.11 (the GPU), where it is deprecated (a warning, silenced below) in
+favour of Mosaic GPU; but only the Triton-flavoured pallas_call runs interpreted on the CPU in
+both versions, and the tests run this same kernel that way. Triton wants power-of-two tiles,
+so the 576-wide MLA head is loaded as 512 + 64. The cache is [B, KVH, S, D] so that each
+program's K/V tiles are contiguous. Which steps take the kernel, and the split sizes, are
+the model's kernel policy (kdj/kernels.py).
 """
 
 from __future__ import annotations
@@ -54,22 +34,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-_TARGET_PROGRAMS = 264  # ~2 waves on the H200's 132 SMs
-# A slot split spans at least this many K blocks: 8 with a tree (T > 1: tuned at T = 17),
-# 1 in plain decode (T = 1). A decode step has one query tile per KV head, so only the slot
-# split spreads its work; with 8-block splits Moonlight's 640-slot cache ran on 2 programs
-# (25 us a layer, slower than XLA's form), with 1-block splits on 11 (the batch-1 decode
-# loop: 3.32 -> 3.13 ms a step at 512 tokens of context, 3.58 -> 3.30 at 4,096;
-# bench/profile_step.py "ar-latent-split8" keeps 8; BENCHMARKS.md "Small projections").
-MIN_SPLIT_BLOCKS, DECODE_MIN_SPLIT_BLOCKS = 8, 1
+from kdj.kernels import DEFAULT
 
 
-def slot_splits(B: int, KVH: int, nq: int, S: int, T: int, bk: int) -> int:
+def slot_splits(B: int, KVH: int, nq: int, S: int, bk: int, *, programs: int,
+                min_blocks: int) -> int:  # fmt: skip
     """How many programs share a row's committed slots (see the module docstring): enough
-    for ~_TARGET_PROGRAMS programs in all, each split at least MIN_SPLIT_BLOCKS (T > 1) or
-    DECODE_MIN_SPLIT_BLOCKS (T = 1) K blocks of bk slots of the S-slot cache."""
-    min_blocks = DECODE_MIN_SPLIT_BLOCKS if T == 1 else MIN_SPLIT_BLOCKS
-    return max(1, min(pl.cdiv(_TARGET_PROGRAMS, B * KVH * nq), S // (min_blocks * bk)))
+    for ~`programs` programs in all, each split at least `min_blocks` K blocks of bk slots of
+    the S-slot cache."""
+    return max(1, min(pl.cdiv(programs, B * KVH * nq), S // (min_blocks * bk)))
 
 
 def _pow2_parts(d: int) -> tuple[tuple[int, int], ...] | None:
@@ -185,11 +158,14 @@ def _flash(q, k, v, start, tree, scale, *, G, latent, dv, cfg, interpret):
     S = k.shape[2]
     T = tree.shape[1]
     bq = cfg.get("block_q") or max(16, min(64, pl.next_power_of_2(R)))
-    bk = cfg.get("block_k") or 64  # H200 sweep: MLA 64 beat 16/32 by 1.4-2.3x
+    bk = cfg.get("block_k") or 64  # on the H200, 1.4-2.3x faster than 16 or 32 for MLA
     nq = pl.cdiv(R, bq)
     Rp = nq * bq
     q = jnp.pad(q, ((0, 0), (0, 0), (0, Rp - R), (0, 0)))
-    ns = cfg.get("num_splits") or slot_splits(B, KVH, nq, S, T, bk)
+    ns = cfg.get("num_splits") or slot_splits(
+        B, KVH, nq, S, bk, programs=cfg.get("programs") or DEFAULT.attention_programs,
+        min_blocks=cfg.get("min_split_blocks") or DEFAULT.min_split_blocks(T),
+    )  # fmt: skip
     parts = _pow2_parts(Dk)
     kernel = functools.partial(
         _kernel,
@@ -232,7 +208,7 @@ def _flash(q, k, v, start, tree, scale, *, G, latent, dv, cfg, interpret):
                 num_warps=cfg.get("num_warps") or (8 if latent else 4),
                 num_stages=cfg.get("num_stages") or 2,
             ),
-            interpret=interpret,
+            interpret=jax.default_backend() != "gpu" if interpret is None else interpret,
             name="tree_attention_mla" if latent else "tree_attention_gqa",
         )(*ins)
     # Merge the split partials: weights exp(m_i - max m); empty splits (m = -inf) weigh 0,
@@ -244,10 +220,12 @@ def _flash(q, k, v, start, tree, scale, *, G, latent, dv, cfg, interpret):
     return o[:, :R].reshape(B, KVH, R, dv)
 
 
-def tree_attention(q, k, v, start, tree, scale: float, *, interpret: bool = False, **cfg):
+def tree_attention(q, k, v, start, tree, scale: float, *, interpret: bool | None = None, **cfg):
     """GQA tree attention. q [B, T, H, Dk]; k [B, KVH, S, Dk]; v [B, KVH, S, Dv]; start [B]
     int32; tree [B, T, T] bool. Returns [B, T, H, Dv] in q's dtype. ``cfg``: block_q,
-    block_k, num_splits, num_warps, num_stages (defaults tuned on the H200)."""
+    block_k, num_warps, num_stages (defaults tuned on the H200); num_splits, or the rule's
+    programs and min_split_blocks (default: kdj.kernels.DEFAULT's). interpret: run in Pallas'
+    interpreter (default: everywhere but on a GPU)."""
     B, T, H, Dk = q.shape
     KVH, Dv = k.shape[1], v.shape[-1]
     G = H // KVH
@@ -259,7 +237,7 @@ def tree_attention(q, k, v, start, tree, scale: float, *, interpret: bool = Fals
 
 
 def latent_tree_attention(
-    q, kv, start, tree, scale: float, v_dim: int, *, interpret: bool = False, **cfg
+    q, kv, start, tree, scale: float, v_dim: int, *, interpret: bool | None = None, **cfg
 ):
     """MLA absorbed tree attention. q [B, T, H, C + R]; kv [B, 1, S, C + R], whose first
     v_dim = C columns are the values; start [B]; tree [B, T, T]. Returns [B, T, H, C]."""

@@ -1,0 +1,142 @@
+"""Which kernel each op runs: one frozen policy, part of every jit key.
+
+Every hot op has an XLA implementation (the reference: any backend, the tests' oracle) and
+most have a Pallas kernel beside it (kdj/pallas, for the GPU). A `KernelPolicy` says which
+one each kernel family runs and holds the thresholds that choose between them per shape.
+It is a field of `ModelConfig`, which NNX keeps in the model's graph definition, so every
+jitted function that takes the graphdef compiles again when the policy changes.
+
+A loaded target gets `KernelPolicy.default(backend, sharded)` unless the caller passes one
+(`kdj.load_target(..., kernels=)`, `Target.with_kernels`); its drafter follows it. The
+figures below were measured on an H200 (bench/; BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+XLA, PALLAS = "xla", "pallas"
+FAMILIES = ("dense_gemv", "head_gemv", "attention", "latent_attention", "expert_gemv",
+            "expert_grouped")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    """Kernel choices and thresholds. The defaults are the XLA reference everywhere, with
+    the thresholds the Pallas kernels use when a family is switched to "pallas"."""
+
+    # Implementation per family: "xla" or "pallas".
+    dense_gemv: str = XLA  # one-row matmuls of mid-sized weights (layers.matmul)
+    head_gemv: str = XLA  # one row per head through MLA's absorbed w_uk / w_uv (head_matmul)
+    attention: str = XLA  # GQA attention over T > 1 new tokens (layers.attend)
+    latent_attention: str = XLA  # MLA absorbed attention (layers.attend_latent)
+    expert_gemv: str = XLA  # gathered expert matvec: MoE at few assignments per expert
+    expert_grouped: str = XLA  # grouped expert matmul: MoE at many (else XLA's ragged_dot)
+
+    # The dense GEMV takes weights of gemv_min_weights <= size < gemv_max_weights: below,
+    # XLA fuses the one-row dot for free; from 16M up XLA's own dot streams at 2.7-4.2 TB/s.
+    gemv_min_weights: int = 1 << 17
+    gemv_max_weights: int = 1 << 24
+    # Programs a GEMV grid should fill (~2 per SM): with fewer, K is split into slices.
+    gemv_programs: int = 256
+    # The latent kernel runs plain decode from this cache capacity up, and any step with at
+    # least latent_min_rows query rows (T x heads), where the reference's [T, H, S] f32
+    # scores grow too big; between those XLA's large matmuls are faster.
+    latent_min_decode_capacity: int = 0
+    latent_min_rows: int = 32768
+    # Tree attention splits a row's committed slots over ~attention_programs programs, each
+    # split at least split_blocks K blocks with a tree (T > 1) and decode_split_blocks in
+    # plain decode, whose only parallelism at batch 1 is the slot split.
+    attention_programs: int = 264
+    split_blocks: int = 8
+    decode_split_blocks: int = 1
+    # MoE gathers each assignment's expert up to this many assignments per expert, grouped
+    # matmuls beyond: with the expert GEMV the gathered path never reads more matrices than
+    # there are experts (1.0); XLA's gather also writes each copy out, so it stops earlier.
+    gather_per_expert_kernel: float = 1.0
+    gather_per_expert_xla: float = 0.25
+
+    def __post_init__(self):
+        for name in FAMILIES:
+            if getattr(self, name) not in (XLA, PALLAS):
+                raise ValueError(f"KernelPolicy.{name} must be {XLA!r} or {PALLAS!r}, "
+                                 f"not {getattr(self, name)!r}")  # fmt: skip
+        if not 0 <= self.gemv_min_weights <= self.gemv_max_weights:
+            raise ValueError("KernelPolicy needs 0 <= gemv_min_weights <= gemv_max_weights")
+        if min(self.gemv_programs, self.attention_programs, self.split_blocks,
+               self.decode_split_blocks) < 1:  # fmt: skip
+            raise ValueError("KernelPolicy program counts and split blocks must be >= 1")
+
+    @staticmethod
+    def default(backend: str, sharded: bool = False) -> KernelPolicy:
+        """The measured choice for a backend ("gpu", "cpu", ...) and for whether the model's
+        weights are split over devices: off the GPU the XLA reference everywhere; on it every
+        Pallas kernel, except the dense and head GEMVs of a sharded model (a pallas_call has
+        no partitioning rule, so split weights stay with XLA)."""
+        if backend != "gpu":
+            return KernelPolicy()
+        gemv = XLA if sharded else PALLAS
+        return KernelPolicy(dense_gemv=gemv, head_gemv=gemv, attention=PALLAS,
+                            latent_attention=PALLAS, expert_gemv=PALLAS,
+                            expert_grouped=PALLAS)  # fmt: skip
+
+    def replace(self, **kw) -> KernelPolicy:
+        return dataclasses.replace(self, **kw)
+
+    # Per-shape decisions (static: taken at trace time). The kernels' own `supported`
+    # checks come on top of these.
+    def dense_gemv_for(self, rows: int, weights: int) -> bool:
+        """Whether a matmul of `rows` rows by a `weights`-element matrix runs the GEMV."""
+        return (
+            self.dense_gemv == PALLAS
+            and rows == 1
+            and self.gemv_min_weights <= weights < self.gemv_max_weights
+        )
+
+    def head_gemv_for(self, rows: int) -> bool:
+        """Whether per-head matmuls of `rows` rows per head run the GEMV (no size floor: XLA's
+        form of this matvec, a reduction over the middle axis of [H, K, F], fuses nothing)."""
+        return self.head_gemv == PALLAS and rows == 1
+
+    def attention_kernel_for(self, T: int) -> bool:
+        """Whether GQA attention of T new tokens runs the kernel: T > 1 (at T = 1 XLA's form
+        is as fast up to ~8K of context)."""
+        return self.attention == PALLAS and T > 1
+
+    def latent_kernel_for(self, T: int, heads: int, capacity: int) -> bool:
+        """Whether MLA attention of T new tokens x `heads` over a `capacity`-slot cache runs
+        the kernel."""
+        decode = T == 1 and capacity >= self.latent_min_decode_capacity
+        return self.latent_attention == PALLAS and (decode or T * heads >= self.latent_min_rows)
+
+    def min_split_blocks(self, T: int) -> int:
+        """The fewest K blocks in one tree-attention slot split for T new tokens."""
+        return self.decode_split_blocks if T == 1 else self.split_blocks
+
+    def gather_limit(self, expert_kernel: bool) -> float:
+        """Assignments per expert up to which MoE gathers experts (the GEMV path), with or
+        without the expert GEMV kernel."""
+        return self.gather_per_expert_kernel if expert_kernel else self.gather_per_expert_xla
+
+
+DEFAULT = KernelPolicy()  # the reference policy; its thresholds are the kernels' defaults
+
+
+def choose(kernels: KernelPolicy | None, sharding=None, backend: str | None = None):
+    """The policy a model runs: `kernels` if given, else the default for `backend` (default:
+    JAX's) and for whether THIS model is sharded, i.e. `sharding` (a kdj.sharding.Sharding or
+    None) spans more than one device: how many devices the host has does not matter."""
+    import jax
+
+    sharded = sharding is not None and sharding.mesh.size > 1
+    if kernels is None:
+        return KernelPolicy.default(backend or jax.default_backend(), sharded)
+    if not isinstance(kernels, KernelPolicy):
+        raise TypeError(f"kernels must be a kdj.kernels.KernelPolicy, not {type(kernels)}")
+    if sharded and PALLAS in (kernels.dense_gemv, kernels.head_gemv):
+        raise ValueError(
+            "the Pallas dense and head GEMVs cannot take weights split over a mesh: give a "
+            "sharded model dense_gemv='xla' and head_gemv='xla'"
+        )
+    return kernels
