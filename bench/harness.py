@@ -98,12 +98,14 @@ def param_count(state) -> int:
 
 
 # ------------------------------------------------------------------------------ kernels
-# A/B cases as data: name -> KernelPolicy fields that differ from the target's policy.
+# A/B cases as data: name -> the KernelPolicy fields (kdj/kernels.py) that differ from the
+# target's own policy; "xla" is the reference implementation of a kernel family.
 KERNEL_CASES: dict[str, dict] = {
     "default": {},
-    "xla-dense": {"dense_gemv": False, "head_gemv": False},  # XLA's one-row dots
-    "xla-heads": {"head_gemv": False},  # MLA's absorbed projections on XLA
-    "xla-latent": {"latent_decode_kernel": False},  # MLA decode attention on XLA's form
+    "xla-dense": {"dense_gemv": "xla", "head_gemv": "xla"},  # XLA's one-row dots
+    "xla-heads": {"head_gemv": "xla"},  # MLA's absorbed per-head projections on XLA
+    "xla-latent": {"latent_attention": "xla"},  # MLA attention on XLA's form
+    "xla-experts": {"expert_gemv": "xla", "expert_grouped": "xla"},  # gather / ragged_dot
 }
 
 
@@ -117,7 +119,7 @@ def with_kernels(tgt: kdj.Target, case: str) -> kdj.Target:
     if not hasattr(tgt, "with_kernels"):
         raise NotImplementedError(f"kernel case {case!r} needs Target.with_kernels (a kdj "
                                   "with kdj.kernels.KernelPolicy)")  # fmt: skip
-    return tgt.with_kernels(dataclasses.replace(tgt.kernels, **KERNEL_CASES[case]))
+    return tgt.with_kernels(dataclasses.replace(tgt.cfg.kernels, **KERNEL_CASES[case]))
 
 
 def clear_compiled(tgt: kdj.Target) -> None:

@@ -6,8 +6,8 @@ autoregressive step; T = 8, 16 are verify sizes) and time ONE jitted target forw
 queued back to back, one sync at the end, as a decode loop runs them). Account per step:
 
 - bytes: dense weights read once (an untied embedding only gathers B*T rows), plus the
-  routed experts ACTUALLY touched (distinct expert ids per MoE layer, read from the routing
-  of that very step), plus the KV cache read (context + T per sequence) and written (T);
+  routed experts ACTUALLY touched (distinct expert ids per MoE layer, from the routing of
+  that very step), plus the KV cache read (context + T per sequence) and written (T);
 - FLOPs: 2 x tokens x every matmul weight (routed experts: k assignments per token), plus
   attention (scores and values over context + T).
 
@@ -101,28 +101,31 @@ def kv_bytes(cfg: ModelConfig, B: int, T: int, context: int, itemsize: int) -> i
 
 # ------------------------------------------------------------------------------ the step
 def touched_experts(model, tokens, start, cache) -> dict[int, int]:
-    """{layer: distinct experts routed to by this step's tokens}, read from the routing the
-    MoE layers record (their `record_routing` flag) in one untimed forward."""
-    moes = harness.moe_layers(model)
-    for m in moes:
-        m.record_routing = True
-    try:
-        graphdef, state = nnx.split(model)
-        sown = jax.jit(_forward_sown, static_argnums=0)(graphdef, state, tokens, start, cache)
-    finally:
-        for m in moes:
-            m.record_routing = False
-    out = {}
-    for layer, sub in sown["layers"].items():
-        (idx,) = sub["mlp"]["routing"]
-        out[int(layer)] = int(np.unique(np.asarray(idx)).size)
-    return out
+    """{layer: distinct experts routed to by this step's tokens}: the step replayed block by
+    block (as Transformer.__call__ runs them), each MoE layer's router applied to its input."""
+    graphdef, state = nnx.split(model)
+    ids = jax.jit(_routing, static_argnums=0)(graphdef, state, tokens, start, cache)
+    return {i: int(np.unique(np.asarray(idx)).size) for i, idx in ids.items()}
 
 
-def _forward_sown(graphdef, state, tokens, start, cache):
+def _routing(graphdef, state, tokens, start, cache) -> dict:
+    from kdj.models.layers import causal_tree
+
     model = nnx.merge(graphdef, state)
-    model(tokens, start, cache)
-    return nnx.to_pure_dict(nnx.state(model, nnx.Intermediate))
+    B, T = tokens.shape
+    positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)
+    tree, x, ids = causal_tree(B, T), model.embed[...][tokens], {}
+    for i, block in enumerate(model.layers):
+        v = cache.v[i] if cache.v else None
+        h = block.attn(block.attn_norm(x), positions, start, tree, cache.k[i], v)[0]
+        x = x + h
+        y = block.mlp_norm(x)
+        if model.cfg.is_moe_layer(i):
+            moe = block.mlp
+            bias = None if moe.bias is None else moe.bias[...]
+            ids[i] = route(y.reshape(B * T, -1), moe.router[...], bias, model.cfg)[1]
+        x = x + block.mlp(y)
+    return ids
 
 
 def time_step(model, cfg, B, T, context, repeats, mm_rate) -> dict:

@@ -335,17 +335,17 @@ def test_profile_step_moe_layer_and_bad_cases(tmp_path, tiny):
     assert "no-such-case" in bad_kernels["error"]
 
 
-def test_profile_step_kernel_case_changes_the_policy(tmp_path, tiny):
-    """A kernel case runs the target with a changed KernelPolicy (no module patched)."""
-    pytest.importorskip("kdj.kernels")  # the policy lands with issue 22's kernel item
-    bench = load_bench("profile_step")
-    cfg = tiny["moe"]
-    cases = [f"{cfg}:1:ar:xla-dense", f"{cfg}:1:ar:xla-heads", f"{cfg}:1:ar:xla-latent"]
-    out = bench.main(["--cases", *cases, "--context", "8", "--steps", "2", "--dtype",
-                      "float32", "--trace-dir", str(tmp_path / "traces")])  # fmt: skip
-    for case in out["cases"]:
-        assert "error" not in case, case.get("error")
-        assert case["kernels"] and case["busy_ms_per_step"] > 0
+def test_kernel_cases_are_policies(tiny):
+    """Every kernel case is a target whose KernelPolicy has the case's fields (no module
+    patched); the target itself keeps its policy."""
+    pytest.importorskip("kdj.kernels")  # the policy of issue 22's kernel item
+    harness = load_bench("harness")
+    tgt = harness.random_target(str(tiny["moe"]), dtype="float32")
+    before = tgt.cfg.kernels
+    for case, fields in harness.KERNEL_CASES.items():
+        policy = harness.with_kernels(tgt, case).cfg.kernels
+        assert all(getattr(policy, k) == v for k, v in fields.items()), case
+    assert tgt.cfg.kernels == before
 
 
 def test_device_events_gpu_trace():
