@@ -4,8 +4,8 @@ at bandwidth? One MoE layer's experts at a model's shape (random weights), per e
 A decode step at small batch routes each token to k experts, and kdj reads only those
 experts (kdj.models.deepseek.expert_swiglu_gathered, through ExpertWeight.matvec). Variants:
 
-    kernel   the gathered path (kdj/pallas/expert_gemv.py's GEMV on a GPU; XLA's gather +
-             matvec where the kernel does not run, which each row records)
+    kernel   the gathered path under the backend's kernel policy (kdj/pallas/expert_gemv.py's
+             GEMV on a GPU; XLA's gather + matvec elsewhere: rows record the backend)
     ragged   jax.lax.ragged_dot over all experts (XLA's grouped GEMM: the CPU path)
     grouped  the Pallas grouped kernel (kdj/pallas/expert_grouped.py), the layer's path for
              many tokens on the GPU: each touched expert read once per block of its rows
@@ -29,6 +29,7 @@ the loop). Reported: us per call, the bytes of the distinct experts touched as s
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import harness  # bench/ is the script directory
@@ -42,11 +43,10 @@ from kdj.models.deepseek import (
     expert_swiglu,
     expert_swiglu_gathered,
     expert_swiglu_grouped,
-    gemv_kernel,
 )
 from kdj.pallas import expert_gemv, expert_grouped
 
-VARIANTS = {"kernel": expert_swiglu_gathered, "ragged": expert_swiglu,
+VARIANTS = {"kernel": functools.partial(expert_swiglu_gathered, **harness.expert_kernels()), "ragged": expert_swiglu,
             "grouped": expert_swiglu_grouped}  # fmt: skip
 
 
@@ -117,9 +117,8 @@ def case(experts, fmt: str, A: int, k: int, keys, args):
     x = jax.random.normal(keys[2], (N, D), jnp.bfloat16)
     weights = jax.nn.softmax(jax.random.normal(keys[3], (N, k)), axis=-1)
     touched = len(np.unique(np.asarray(idx)))
-    # whether "kernel" really ran the Pallas GEMV here (else it measured XLA's gather too)
-    pallas = bool(gemv_kernel(wgu) and gemv_kernel(experts[1]))
-    base = {"format": fmt, "assignments": N * k, "touched": touched, "gemv_kernel": pallas}
+    base = {"format": fmt, "assignments": N * k, "touched": touched,
+            "backend": jax.default_backend()}  # fmt: skip
 
     def timed(name, nbytes, fn, *operands, check=None):
         row = {**base, "variant": name, "bytes": nbytes}

@@ -122,6 +122,16 @@ def with_kernels(tgt: kdj.Target, case: str) -> kdj.Target:
     return tgt.with_kernels(dataclasses.replace(tgt.cfg.kernels, **KERNEL_CASES[case]))
 
 
+def expert_kernels() -> dict:
+    """Keyword arguments giving kdj's expert functions this backend's kernel policy (empty
+    with a kdj from before kdj.kernels, whose expert functions choose by backend)."""
+    try:
+        from kdj.kernels import KernelPolicy
+    except ImportError:
+        return {}
+    return {"kernels": KernelPolicy.default(jax.default_backend())}
+
+
 def clear_compiled(tgt: kdj.Target) -> None:
     """Drop the target's compiled executables, so that the next call's compile is timed.
     (A kdj whose target does not own its executable cache has nothing public to clear: a

@@ -228,6 +228,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="JSON path; .md and .png are written beside it")
     p.add_argument("--model", default="moonlight-16b-a3b", help="configs/models name or YAML")
     p.add_argument("--experts", default="bf16", help="roofline rows of this expert format")
+    p.add_argument("--drafter-shape", default="moonlight-16b-a3b",
+                   help="the bench/drafters.yaml shape priced for the draft pass")  # fmt: skip
     p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16, 64, 256])
     p.add_argument("--budgets", nargs="+", type=int, default=[16, 64, 256])
     p.add_argument("--context", type=int, default=512 + 64, help="prompt + half the new tokens")
@@ -241,7 +243,7 @@ def main(argv=None) -> dict:
 
     cfg = harness.model_config(args.model)
     steps, roof_ctx = load_roofline(args.roofline, args.model, args.experts)
-    dcfg = harness.drafter_config(cfg, args.model)
+    dcfg = harness.drafter_config(cfg, args.drafter_shape)
     n_params = drafter_params(dcfg)
     cost = StepCost.load(args.cost).with_drafter(dcfg, n_params, cfg)
     shapes = menu(dcfg.block_size - 1, args.budgets)
