@@ -46,8 +46,11 @@ from kdj.models.deepseek import (
 )
 from kdj.pallas import expert_gemv, expert_grouped
 
-VARIANTS = {"kernel": functools.partial(expert_swiglu_gathered, **harness.expert_kernels()), "ragged": expert_swiglu,
-            "grouped": expert_swiglu_grouped}  # fmt: skip
+VARIANTS = {
+    "kernel": functools.partial(expert_swiglu_gathered, **harness.expert_kernels()),
+    "ragged": expert_swiglu,
+    "grouped": expert_swiglu_grouped,
+}
 
 
 def stored_bytes(w: ExpertWeight, experts: int) -> int:
