@@ -21,7 +21,7 @@ combines three measurements, none of them new:
 
 Per draft shape and batch B:  step = target step(B, 1 + nodes) + draft_seconds(B, context)
 (no draft pass for AR) and tokens/s = B * tau_real / step. "auto" replays the controller with
-the real pair's forecasts as gains (kdj.decode.speculative): if `drafting_pays` says no, it
+the real pair's forecasts as gains (kdj.decode.auto): if `drafting_pays` says no, it
 decodes plainly (= AR); otherwise it verifies the `choose` argmax and gets that shape's
 projected tokens/s, with the draft pass of the largest tree left on the menu. Before that, as
 kdj.generate does, the menu is trimmed to the entries `paying_menu` says can pay at the batch
@@ -50,7 +50,11 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from kdj.cost import StepCost  # noqa: E402
-from kdj.decode import speculative  # noqa: E402
+
+try:  # auto's controller: kdj.decode.auto (kdj.decode.speculative before issue 22's split)
+    from kdj.decode import auto as controller  # noqa: E402
+except ImportError:
+    from kdj.decode import speculative as controller  # noqa: E402
 from kdj.decode.tree import DraftShape  # noqa: E402
 from kdj.models.drafter import DrafterConfig, build_drafter  # noqa: E402
 
@@ -129,23 +133,23 @@ def project(steps, roof_ctx, cost, real, shapes, batches, context) -> list[dict]
         # batch (priced at the real pair's tau), then fed the real pair's forecasts for every
         # sequence of the batch
         measured = {str(s): real[n]["tau"] for n, s in shapes.items() if s.kind != "none"}
-        kept = speculative.paying_menu(tuple(shapes.values()), cost, B, context,
+        kept = controller.paying_menu(tuple(shapes.values()), cost, B, context,
                                        max(measured.values()), measured)  # fmt: skip
         kept_names = [n for n in names if shapes[n] in kept]
         pays, choice = False, "ar"
         if len(kept) > 1:
             gains = jnp.asarray([[real[n]["forecast"]] * B for n in kept_names])  # [S, B]
             active = jnp.ones((B,), bool)
-            pays = bool(speculative.drafting_pays(kept, gains, active, cost, context))
+            pays = bool(controller.drafting_pays(kept, gains, active, cost, context))
             # drafting pays => some shape beats plain even with the draft paid, so `choose`
             # (draft sunk) never picks "none" then: auto is one of the kept fixed methods
             if pays:
-                choice = kept_names[int(speculative.choose(kept, gains, active, cost, context))]
+                choice = kept_names[int(controller.choose(kept, gains, active, cost, context))]
         auto = {**methods[choice], "choice": choice, "drafting_pays": pays,
                 "menu": [str(s) for s in kept]}  # fmt: skip
         if choice != "ar":  # a drafting step builds the menu's largest tree, not its own
             m = methods[choice]
-            draft_s = float(cost.draft_seconds(B, context, speculative.largest_tree(kept)))
+            draft_s = float(cost.draft_seconds(B, context, controller.largest_tree(kept)))
             step = m["target_ms"] / 1e3 + draft_s
             auto.update(tokens_per_s=B * m["tau"] / step, step_ms=step * 1e3,
                         draft_ms=draft_s * 1e3)  # fmt: skip
