@@ -36,10 +36,11 @@ import harness  # bench/ is the script directory
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from kdj.checkpoints.quant import quant_fp8_stacked, quant_int4_stacked
 from kdj.models.deepseek import (
     ExpertWeight,
+    MoE,
     expert_swiglu,
     expert_swiglu_gathered,
     expert_swiglu_grouped,
@@ -51,6 +52,15 @@ VARIANTS = {
     "ragged": expert_swiglu,
     "grouped": expert_swiglu_grouped,
 }
+
+
+def routed_experts(cfg, fmt: str) -> list[ExpertWeight]:
+    """[gate_up, down] of one MoE layer of this shape (random, the same for every format),
+    kept in fmt as the model keeps them."""
+    moe = MoE(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    if fmt != "float":
+        moe.quantize(fmt)
+    return list(moe.experts())
 
 
 def stored_bytes(w: ExpertWeight, experts: int) -> int:
@@ -89,8 +99,6 @@ def main(argv=None) -> list:
     E, D, I, k = (cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                   cfg.num_experts_per_tok)  # fmt: skip
     keys = jax.random.split(jax.random.key(0), 4)
-    wgu = (jax.random.normal(keys[0], (E, D, 2, I), jnp.float32) * 0.02).astype(jnp.bfloat16)
-    wd = (jax.random.normal(keys[1], (E, I, D), jnp.float32) * 0.02).astype(jnp.bfloat16)
     meta = {"model": args.model, "E": E, "D": D, "I": I, "k": k}
     rows = []
 
@@ -100,10 +108,7 @@ def main(argv=None) -> list:
         harness.write_result(args.out, {"meta": meta, "rows": rows}, argv)
 
     for fmt in args.formats:
-        experts = [ExpertWeight(wgu), ExpertWeight(wd)]
-        if fmt != "float":
-            quant = quant_int4_stacked if fmt == "int4" else quant_fp8_stacked
-            experts = [ExpertWeight(*jax.jit(quant)(w.value), fmt) for w in experts]
+        experts = routed_experts(cfg, fmt)
         for A in args.assignments:
             for row in case(experts, fmt, A, k, keys, args):
                 record(row)
