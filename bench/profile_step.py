@@ -256,7 +256,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cases", nargs="+", required=True, help="MODEL:BATCH:WHAT[:KERNELS] ...")
     p.add_argument("--context", type=int, default=512, help="tokens in the cache per sequence")
     p.add_argument("--steps", type=int, default=32, help="decode steps traced per case")
-    p.add_argument("--module", default="loop", help="regex of the decode loop's HLO module")
+    p.add_argument("--module", default="decode", help="regex of the decode loop's HLO module")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--top", type=int, default=25, help="kernels printed per case")
     p.add_argument("--out", help="JSON path")

@@ -366,7 +366,7 @@ def test_device_events_gpu_trace():
     assert [k[0] for k in kernels] == [
         "nvjet_hsh_64x8_gemm", "loop_fusion_3", "MemcpyD2H", "prefill_gemm"
     ]  # fmt: skip
-    summary = bench.summarise(events, traced_s=20e-6, steps=2, module="loop")
+    summary = bench.summarise(events, traced_s=20e-6, steps=2, module="decode")
     assert summary["kernels_per_step"] == 1.0  # the copy and the prefill's GEMM left out
     assert summary["busy_ms_per_step"] == pytest.approx(3.5e-3)
     assert set(summary["categories"]) == {"gemm/matmul", "fusion/other"}
