@@ -17,7 +17,6 @@ import functools
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -195,10 +194,6 @@ def timed_generate(tgt, prompts, repeats: int, **kw) -> tuple[dict, list]:
     stats = {**mid.stats, "compile_s": outs[0].stats["compile_s"]}
     stats["step_ms"] = 1e3 * stats["decode_s"] / max(stats["steps"], 1)
     return stats, mid.tokens
-
-
-def median(xs) -> float:
-    return statistics.median(xs)
 
 
 # ------------------------------------------------------------------------------ one step
