@@ -7,9 +7,8 @@ steps before auto runs). Every sequence
 generates exactly --new tokens (stop tokens off), so every method does the same work and
 tokens/s compare directly. Greedy (T=0), bf16.
 
-    python bench/adaptive.py --target <SmolLM2-135M-Instruct.Q4_1.gguf> \
-        --drafter smollm2-135m-dflash-b16 --prompts .traincache/data/eval_prompts.json \
-        --batches 1 4 16 64 256 --fit-cost $OUT/cost.json --out $OUT/adaptive.json
+    python bench/adaptive.py --prompts .traincache/data/eval_prompts.json \
+        --batches 1 8 64 256 --methods ar dflash ddtree16 ddtree64 auto --out $OUT/pair.json
 
 With --fit-from RUN.json ... --fit-cost cost.json it generates nothing: the step cost is
 fitted to the fixed-method rows of earlier runs (their step times as measured there).
@@ -26,36 +25,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import sys
 from pathlib import Path
 
-import jax
+import harness  # bench/ is the script directory
 
 import kdj
 
 
-def run_method(target, drafter, prompts, method, new, repeats, **kw) -> dict:
+def run_method(target, drafter, prompts, method, new, repeats, **kw) -> tuple[dict, list]:
     """Compile run, then the median of `repeats` timed runs of one method."""
-    kdj.api._EXECUTABLES.clear()
-    args = dict(max_new_tokens=new, stop_tokens=[], method=method, **kw)
     if method != "ar":
-        args["drafter"] = drafter
-    outs = [kdj.generate(target, prompts, **args) for _ in range(repeats + 1)]
-    timed = sorted(outs[1:], key=lambda o: o.stats["decode_s"])
-    o = timed[len(timed) // 2]
-    s = o.stats
-    row = {
-        "tokens_per_s": s["tokens_per_s"],
-        "step_ms": 1e3 * s["decode_s"] / max(s["steps"], 1),
-        "tau": s["mean_acceptance"],
-        "steps": s["steps"],
-        "new_tokens": s["new_tokens"],
-        "compile_s": outs[0].stats["compile_s"],
-    }
+        kw["drafter"] = drafter
+    s, tokens = harness.timed_generate(target, prompts, repeats, max_new_tokens=new,
+                                       method=method, **kw)  # fmt: skip
+    row = {"tokens_per_s": s["tokens_per_s"], "step_ms": s["step_ms"],
+           "tau": s["mean_acceptance"], "steps": s["steps"], "new_tokens": s["new_tokens"],
+           "compile_s": s["compile_s"]}  # fmt: skip
     for key in ("mean_expected_acceptance", "calibration_error", "draft_choice_counts"):
         if key in s:
             row[key] = s[key]
-    return row, o.tokens
+    return row, tokens
 
 
 def fit_cost(target, drafter, rows, path):
@@ -64,7 +54,7 @@ def fit_cost(target, drafter, rows, path):
     path; generate(method="auto", cost=path) loads it."""
     from kdj.cost import StepCost
 
-    n_params = sum(int(x.size) for x in jax.tree.leaves(drafter.state))
+    n_params = harness.param_count(drafter.state)
     base = StepCost.for_config(target.cfg).with_drafter(drafter.cfg, n_params, target.cfg)
     k = drafter.cfg.block_size
     data = []
@@ -194,7 +184,7 @@ def plot(rows, path) -> None:
     plt.close(fig)
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--drafter", default="smollm2-135m-dflash-b16")
@@ -211,6 +201,12 @@ def main(argv=None):
     p.add_argument("--fit-from", nargs="+", help="earlier runs' JSON: only fit --fit-cost")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out")
+    return p
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    p = parser()
     args = p.parse_args(argv)
     if args.fit_from and not args.fit_cost:
         p.error("--fit-from needs --fit-cost (where the fitted step cost goes)")
@@ -231,18 +227,12 @@ def main(argv=None):
         return fit_cost(target, drafter, rows, args.fit_cost)
     held = json.loads(Path(args.prompts).read_text())["sharegpt"]
     prompts = chat_prompts(target.tokenizer, held, args.max_prompt_tokens)
-    t0 = time.time()
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
 
     def save(rows):
-        meta = {
-            "date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind,
-            "jax": jax.__version__, "args": vars(args), "seconds": time.time() - t0,
-            "calibration": drafter.calibration,
-        }  # fmt: skip
         clean = [{k: v for k, v in r.items() if k not in ("prompts", "_ar_tokens")} for r in rows]
-        out.write_text(json.dumps({"meta": meta, "rows": clean}, indent=1))
+        meta = {"calibration": drafter.calibration}
+        harness.write_result(out, {"meta": meta, "rows": clean}, argv)
 
     rows = sweep(target, drafter, prompts, args.batches, args.methods, args.new, args.repeats,
                  args.cost, args.fit_cost, save=save)  # fmt: skip

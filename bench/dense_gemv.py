@@ -1,8 +1,8 @@
 """One-row projections at a model's shapes: XLA's dot against the Pallas GEMV split over K.
 
 A batch-1 decode step multiplies one row by every dense weight matrix (attention
-projections, shared experts, a dense MLP, the head). kdj.models.layers.matmul sends those of
-at least GEMV_MIN_WEIGHTS weights through the Pallas GEMV (kdj/pallas/expert_gemv.py), split
+projections, shared experts, a dense MLP, the head). kdj.models.layers.matmul sends those in
+its kernel policy's size range through the Pallas GEMV (kdj/pallas/expert_gemv.py), split
 over K into `expert_gemv.splits` slices so that a one-row grid still fills the GPU. This script
 times, per matrix [K, F] of the model (random bf16 weights):
 
@@ -19,18 +19,14 @@ TB/s on the matrix's bytes.
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import time
-from pathlib import Path
+import sys
 
+import harness  # bench/ is the script directory
 import jax
 import jax.numpy as jnp
 import numpy as np
-from roofline import looped_time, model_config  # bench/ is the script directory
 
 from kdj.config import ModelConfig
-from kdj.models import layers
 from kdj.pallas import expert_gemv
 
 
@@ -69,19 +65,23 @@ def gemv(x, w, s: int):
 def seconds_per_call(fn, x, w, iters: int) -> float:
     """fn(x [1, K], w) -> [1, F], chained `iters` times in one jitted loop."""
     body = lambda i, x, w: x + 1e-3 * fn(x, w).mean().astype(x.dtype)  # noqa: E731
-    return looped_time(body, x, iters, w)
+    return harness.looped(body, x, iters, w)
 
 
-def main(argv=None) -> list:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="moonlight-16b-a3b", help="configs/models name or YAML")
     p.add_argument("--splits", nargs="*", type=int, default=[1], help="extra K splits to time")
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--out")
+    return p
+
+
+def main(argv=None) -> list:
+    argv = sys.argv[1:] if argv is None else argv
+    p = parser()
     args = p.parse_args(argv)
-    cfg = model_config(args.model)
-    meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "model": args.model,
-            "date": time.strftime("%Y-%m-%d"), "min_weights": layers.GEMV_MIN_WEIGHTS}  # fmt: skip
+    cfg = harness.model_config(args.model)
     rows = []
     key = jax.random.key(0)
     for name, (K, F) in shapes(cfg).items():
@@ -96,9 +96,7 @@ def main(argv=None) -> list:
         ref = jnp.tensordot(x.astype(jnp.float32), w.astype(jnp.float32), axes=1)
         for variant, fn in variants.items():
             row = {"matrix": name, "K": K, "F": F, "variant": variant, "bytes": w.nbytes,
-                   "splits": rule if variant == "gemv" else None,
-                   "taken_by_matmul": layers.GEMV_MIN_WEIGHTS <= w.size
-                   < layers.GEMV_MAX_WEIGHTS}  # fmt: skip
+                   "splits": rule if variant == "gemv" else None}  # fmt: skip
             try:
                 sec = seconds_per_call(fn, x, w, args.iters)
                 y = jax.jit(fn)(x, w).astype(jnp.float32)
@@ -108,13 +106,7 @@ def main(argv=None) -> list:
                 row["error"] = repr(e)[:300]
             rows.append(row)
             print(row, flush=True)
-            if args.out:
-                Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    total = {v: sum(r.get("us", math.nan) for r in rows if r["variant"] == v
-                    and r["taken_by_matmul"] and r["matrix"] != "lm_head")
-             for v in ("xla", "gemv")}  # fmt: skip
-    print(f"matrices layers.matmul takes (not the head): xla {total['xla']:.1f} us, "
-          f"gemv {total['gemv']:.1f} us")  # fmt: skip
+            harness.write_result(args.out, {"meta": {"model": args.model}, "rows": rows}, argv)
     return rows
 
 

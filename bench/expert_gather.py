@@ -4,13 +4,11 @@ at bandwidth? One MoE layer's experts at a model's shape (random weights), per e
 A decode step at small batch routes each token to k experts, and kdj reads only those
 experts (kdj.models.deepseek.expert_swiglu_gathered, through ExpertWeight.matvec). Variants:
 
-    kernel   the Pallas gathered GEMV (kdj/pallas/expert_gemv.py; what a GPU runs)
-    xla      the same layer with the kernel switched off: XLA gathers (and dequantises) the
-             experts, then one matvec each (the CPU path and the kernel's reference)
+    kernel   the gathered path under the backend's kernel policy (kdj/pallas/expert_gemv.py's
+             GEMV on a GPU; XLA's gather + matvec elsewhere: rows record the backend)
     ragged   jax.lax.ragged_dot over all experts (XLA's grouped GEMM: the CPU path)
     grouped  the Pallas grouped kernel (kdj/pallas/expert_grouped.py), the layer's path for
              many tokens on the GPU: each touched expert read once per block of its rows
-    grouped-fused  the same with SwiGLU in the gate/up kernel's epilogue (a candidate)
 
 Each variant's output is also compared with ragged_dot's (rel_err: max abs difference / max
 abs value). With --tiles, the GEMV kernel alone on the gate/up matrix [E, D, 2I] for each
@@ -25,47 +23,44 @@ an optional sixth field, cols_first (1: the grid launches the column tiles first
 Each case runs `--iters` times inside one jitted fori_loop (no dispatch in the timing), with
 the expert ids shifted every call (loop-invariant ids would let XLA hoist the gather out of
 the loop). Reported: us per call, the bytes of the distinct experts touched as stored (weights
-+ scales), and achieved TB/s. (Earlier versions compared XLA formulations: pinned or unpinned
-gathers, dynamic slices; bench/results/expert_gather*_2026-11-29.json.)
++ scales), and achieved TB/s.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
-import time
-from pathlib import Path
+import sys
 
+import harness  # bench/ is the script directory
 import jax
 import jax.numpy as jnp
 import numpy as np
-from roofline import looped_time, model_config  # bench/ is the script directory
+from flax import nnx
 
-from kdj.checkpoints.quant import quant_fp8_stacked, quant_int4_stacked
-from kdj.models import deepseek
 from kdj.models.deepseek import (
     ExpertWeight,
+    MoE,
     expert_swiglu,
     expert_swiglu_gathered,
     expert_swiglu_grouped,
 )
 from kdj.pallas import expert_gemv, expert_grouped
 
-
-def xla_gathered(*args):
-    """expert_swiglu_gathered with the Pallas kernel switched off (traced only in here)."""
-    keep = deepseek.gemv_kernel
-    deepseek.gemv_kernel = lambda w: False
-    try:
-        return expert_swiglu_gathered(*args)
-    finally:
-        deepseek.gemv_kernel = keep
+VARIANTS = {
+    "kernel": functools.partial(expert_swiglu_gathered, **harness.expert_kernels()),
+    "ragged": expert_swiglu,
+    "grouped": expert_swiglu_grouped,
+}
 
 
-VARIANTS = {"kernel": expert_swiglu_gathered, "xla": xla_gathered, "ragged": expert_swiglu,
-            "grouped": expert_swiglu_grouped,
-            "grouped-fused": functools.partial(expert_swiglu_grouped, fused=True)}  # fmt: skip
+def routed_experts(cfg, fmt: str) -> list[ExpertWeight]:
+    """[gate_up, down] of one MoE layer of this shape (random, the same for every format),
+    kept in fmt as the model keeps them."""
+    moe = MoE(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    if fmt != "float":
+        moe.quantize(fmt)
+    return list(moe.experts())
 
 
 def stored_bytes(w: ExpertWeight, experts: int) -> int:
@@ -77,10 +72,10 @@ def stored_bytes(w: ExpertWeight, experts: int) -> int:
 def seconds_per_call(fn, x, iters: int, *operands) -> float:
     """fn(x, ids_shift, *operands) -> like x, chained `iters` times in one jitted loop."""
     body = lambda i, x, *ops: x + 1e-3 * fn(x, i, *ops).astype(x.dtype)  # noqa: E731
-    return looped_time(body, x, iters, *operands)
+    return harness.looped(body, x, iters, *operands)
 
 
-def main(argv=None) -> list:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="moonlight-16b-a3b", help="configs/models name or YAML")
     p.add_argument("--assignments", nargs="+", type=int, default=[6, 96])
@@ -93,28 +88,27 @@ def main(argv=None) -> list:
                    "[,cols_first]")  # fmt: skip
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out")
+    return p
+
+
+def main(argv=None) -> list:
+    argv = sys.argv[1:] if argv is None else argv
+    p = parser()
     args = p.parse_args(argv)
-    cfg = model_config(args.model)
+    cfg = harness.model_config(args.model)
     E, D, I, k = (cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                   cfg.num_experts_per_tok)  # fmt: skip
     keys = jax.random.split(jax.random.key(0), 4)
-    wgu = (jax.random.normal(keys[0], (E, D, 2, I), jnp.float32) * 0.02).astype(jnp.bfloat16)
-    wd = (jax.random.normal(keys[1], (E, I, D), jnp.float32) * 0.02).astype(jnp.bfloat16)
-    meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "model": args.model,
-            "date": time.strftime("%Y-%m-%d"), "E": E, "D": D, "I": I, "k": k}  # fmt: skip
+    meta = {"model": args.model, "E": E, "D": D, "I": I, "k": k}
     rows = []
 
     def record(row):
         rows.append(row)
         print(row, flush=True)
-        if args.out:
-            Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        harness.write_result(args.out, {"meta": meta, "rows": rows}, argv)
 
     for fmt in args.formats:
-        experts = [ExpertWeight(wgu), ExpertWeight(wd)]
-        if fmt != "float":
-            quant = quant_int4_stacked if fmt == "int4" else quant_fp8_stacked
-            experts = [ExpertWeight(*jax.jit(quant)(w.value), fmt) for w in experts]
+        experts = routed_experts(cfg, fmt)
         for A in args.assignments:
             for row in case(experts, fmt, A, k, keys, args):
                 record(row)
@@ -131,9 +125,8 @@ def case(experts, fmt: str, A: int, k: int, keys, args):
     x = jax.random.normal(keys[2], (N, D), jnp.bfloat16)
     weights = jax.nn.softmax(jax.random.normal(keys[3], (N, k)), axis=-1)
     touched = len(np.unique(np.asarray(idx)))
-    # whether "kernel" really ran the Pallas GEMV here (else it measured XLA's gather too)
-    pallas = bool(deepseek.gemv_kernel(wgu) and deepseek.gemv_kernel(experts[1]))
-    base = {"format": fmt, "assignments": N * k, "touched": touched, "gemv_kernel": pallas}
+    base = {"format": fmt, "assignments": N * k, "touched": touched,
+            "backend": jax.default_backend()}  # fmt: skip
 
     def timed(name, nbytes, fn, *operands, check=None):
         row = {**base, "variant": name, "bytes": nbytes}

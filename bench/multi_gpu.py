@@ -14,28 +14,20 @@ Tokens of every mesh must equal those of the first mesh (greedy, same weights).
         --out $OUT/multi_gpu.json          # on a multi-GPU machine (NCCL_NVLS_ENABLE=0)
 
 On CPU with XLA_FLAGS=--xla_force_host_platform_device_count=8 it runs on virtual devices
-(tests/test_multi_gpu_script.py runs a tiny config that way).
+(tests/test_bench.py runs a tiny config that way).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import time
-from pathlib import Path
+import sys
 
+import harness  # bench/ is the script directory
 import jax
 import jax.numpy as jnp
-import numpy as np
-from roofline import chained_time  # bench/ is the script directory
 
 import kdj
-from kdj.config import ModelConfig, load_yaml
-from kdj.models.drafter import DrafterConfig, build_drafter, default_target_layer_ids
-from kdj.models.transformer import build_model
 from kdj.sharding import MeshConfig, make_mesh
-
-CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "models"
 
 
 def meshes(n: int) -> dict[str, MeshConfig]:
@@ -43,26 +35,6 @@ def meshes(n: int) -> dict[str, MeshConfig]:
     if n >= 2 and n % 2 == 0:
         out["ep_dp_attn"] = MeshConfig(data=2, expert=n // 2, rules="ep_dp_attn")
     return out
-
-
-def model_config(name: str, layers: int | None) -> ModelConfig:
-    path = Path(name) if name.endswith(".yaml") else CONFIGS / f"{name}.yaml"
-    cfg = ModelConfig.from_hf(load_yaml(path))
-    return cfg.replace(num_layers=layers) if layers else cfg
-
-
-def drafter_config(t: ModelConfig, layers: int, block: int) -> DrafterConfig:
-    """A Qwen3-style drafter at the target's width (the DFlash published shapes use the
-    target's hidden size, head_dim 128 and about 3x FFN)."""
-    heads = max(t.num_heads // 2, 2)
-    lc = ModelConfig(family="llama", model_type="qwen3", vocab_size=t.vocab_size,
-                     hidden_size=t.hidden_size, num_layers=layers, num_heads=heads,
-                     num_kv_heads=max(heads // 4, 1), head_dim=min(128, t.hidden_size // heads),
-                     intermediate_size=3 * t.hidden_size, qk_norm=True,
-                     max_position_embeddings=t.max_position_embeddings)  # fmt: skip
-    return DrafterConfig(layers=lc, block_size=block, mask_token_id=t.vocab_size - 1,
-                         target_layer_ids=default_target_layer_ids(t.num_layers, layers),
-                         num_target_layers=t.num_layers)  # fmt: skip
 
 
 def layer_split(target, B: int, T: int, repeats: int) -> dict:
@@ -92,32 +64,26 @@ def layer_split(target, B: int, T: int, repeats: int) -> dict:
         return nnx.merge(gd, st).mlp(x)
 
     v0 = cache.v[moe_i] if cache.v else None
-    # calls queued, one sync (as roofline.py times steps): a synchronised call each time
-    # counted ~0.5 ms of host time per call on the H200 (BENCHMARKS.md, "Multi-GPU meshes")
     return {
-        "attention_s": chained_time(lambda: attn(st, x, cache.k[moe_i], v0), repeats),
-        "moe_or_mlp_s": chained_time(lambda: mlp(st, x), repeats),
+        "attention_s": harness.chained(lambda: attn(st, x, cache.k[moe_i], v0), repeats),
+        "moe_or_mlp_s": harness.chained(lambda: mlp(st, x), repeats),
         "layer": moe_i,
     }
 
 
 def run(args) -> dict:
     n = jax.device_count()
-    cfg = model_config(args.model, args.layers)
-    dcfg = drafter_config(cfg, args.drafter_layers, args.block)
-    result = {"date": time.strftime("%Y-%m-%d"), "devices": n,
-              "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-              "model": args.model, "layers": cfg.num_layers, "rows": [],
-              "command": "python bench/multi_gpu.py " + " ".join(args.argv)}  # fmt: skip
+    cfg = harness.model_config(args.model, args.layers)
+    dcfg = harness.drafter_config(cfg, args.model, num_layers=args.drafter_layers,
+                                  block_size=args.block)  # fmt: skip
+    result = {"model": args.model, "layers": cfg.num_layers, "rows": []}
     reference: dict = {}
     for mesh_name, mc in meshes(n).items():
         sharding = make_mesh(mc)
-        target = kdj.Target.from_model(build_model(cfg, args.dtype, seed=0), args.model,
-                                       mesh=sharding)  # fmt: skip
-        drafter = kdj.Drafter.from_model(build_drafter(dcfg, args.dtype, seed=1), mesh=sharding)
+        target = harness.random_target(args.model, args.layers, args.dtype, mesh=sharding)
+        drafter = harness.random_drafter(dcfg, args.dtype, mesh=sharding)
         for B in args.batches:
-            rng = np.random.default_rng(B)
-            prompts = rng.integers(0, cfg.vocab_size, (B, args.prompt_len)).tolist()
+            prompts = harness.random_prompts(cfg.vocab_size, B, args.prompt_len)
             row = {"mesh": mesh_name, "axes": dict(sharding.mesh.shape), "batch": B}
             methods = {"ar": {}, "dflash": {"drafter": drafter},
                        "ddtree": {"drafter": drafter, "tree_budget": args.budget}}  # fmt: skip
@@ -137,16 +103,12 @@ def run(args) -> dict:
                 f"{m} {row[m]['step_ms']:8.3f} ms/step {row[m]['tokens_per_s']:9.1f} tok/s"
                 f"{'' if row[m]['same_tokens_as_first_mesh'] else ' TOKENS DIFFER'}"
                 for m in ("ar", "dflash", "ddtree")), flush=True)  # fmt: skip
-            if args.out:
-                Path(args.out).write_text(json.dumps(result, indent=2))
+            harness.write_result(args.out, dict(result), args.argv)
         del target, drafter
-    return result
+    return harness.write_result(args.out, result, args.argv)
 
 
-def main(argv=None):
-    import sys
-
-    argv = sys.argv[1:] if argv is None else argv
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="moonlight-16b-a3b", help="configs/models name or YAML")
     p.add_argument("--layers", type=int, help="keep the first N layers (a slice)")
@@ -159,6 +121,12 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out")
+    return p
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    p = parser()
     args = p.parse_args(argv)
     args.argv = argv
     return run(args)

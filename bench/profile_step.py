@@ -1,37 +1,27 @@
 """Where a decode step's time goes: a profiler trace per case, summed per device kernel.
 
     python bench/profile_step.py --cases moonlight-16b-a3b:1:ar smollm2-135m-instruct:1:ar \
-        smollm2-135m-instruct:1:step smollm2-135m-instruct:1:step-static --out $OUT/prof.json
+        moonlight-16b-a3b:1:ar:xla-dense moonlight-16b-a3b:256:moe-16 --out $OUT/prof.json
 
-A case is MODEL:BATCH:METHOD. MODEL: a configs/models name or YAML path (random weights) or
-what kdj.load_target takes. METHOD: "ar", kdj's on-device decode loop (what
-kdj.generate(method="ar") runs), --steps steps after an untraced prefill of --context random
-tokens; "step", the one-step forward bench/roofline.py times, --steps calls queued back to
-back; "step-static", that step jitted with the graphdef static and synced after every call
-(roofline.py's old timing); "auto-skip", method="auto"'s decode loop with a random 4-layer
-block-16 drafter and no probe (every step skips the drafter: the plain path the controller
-takes where drafting does not pay), to set against "ar"; "auto-first", the same loop but its
-first step drafts (no prior, as when the drafter's calibration promised a win), as real runs at
-small batch do; "ar-xla-dense", "ar" with every dense projection left to XLA's dot
-(kdj.models.layers.matmul's and head_matmul's one-row Pallas GEMVs switched off), to set
-against "ar"; "ar-xla-heads", only head_matmul's (MLA's absorbed projections) switched off;
-"ar-xla-small", matmul's GEMV only from 2M weights (its floor before MLA's kv_a and the router
-moved to it); "ar-xla-latent", MLA's decode attention on XLA's form below 16K of cache capacity
-(the rule before the latent kernel took decode at any capacity); "ar-latent-split8", that
-kernel's decode slot splits at least 8 K blocks long (the rule before: now 1);
-"ar-gemv-programs-512" / "ar-gemv-programs-1024", the one-row GEMVs split over K to fill 512
-(the rule before) / 1024 programs (expert_gemv.PROGRAMS: 256); "moe-T", the first MoE layer of
-a 2-layer slice alone on BATCH x T random tokens (roofline.py --moe-shapes' case). A case runs
-to compile, timed, then under jax.profiler.trace. Device events (GPU: kernels on the
-/device:GPU streams; CPU: XLA thunks on tf_XLA* threads) are summed by name and category, with
-busy time and kernels per step and the heaviest Python frames; JSON is saved after each case.
-Traced, XLA may run command buffers (CUDA graphs) kernel by kernel: compare wall_ms_per_step.
+A case is MODEL:BATCH:WHAT[:KERNELS]. MODEL: a configs/models name or YAML path (random
+weights) or "smollm2-135m-instruct" (real). WHAT: a generate method ("ar", "dflash",
+"ddtree<budget>", "auto"; speculative ones with a random drafter of the published shape),
+--steps decode steps after a prompt of --context random tokens, kernels counted in the
+decode loop's executable only (device events whose HLO module matches --module); "step",
+one target forward step queued --steps times (what bench/roofline.py times); "moe-T", the
+first MoE layer of a 2-layer slice alone on BATCH x T random tokens. KERNELS: a kernel case of
+bench/harness.py (KERNEL_CASES: the target's kernel policy with some fields changed).
+
+A case runs to compile, timed, then under jax.profiler.trace. Device events (GPU: kernels on
+the /device:GPU streams; CPU: XLA thunks on tf_XLA* threads) are summed by name and category,
+with busy time and kernels per step and the heaviest Python frames; JSON is saved after each
+case. Traced, XLA may run command buffers (CUDA graphs) kernel by kernel: compare
+wall_ms_per_step, which is untraced.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import gzip
 import json
 import re
@@ -43,20 +33,12 @@ from collections import defaultdict
 from contextlib import nullcontext
 from pathlib import Path
 
+import harness  # bench/ is the script directory
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from roofline import CONFIGS, build, filled_cache, make_forward, model_config, moe_forward  # bench/
 
 import kdj
-from kdj.cache import init_cache
-from kdj.decode import autoregressive as ar
-from kdj.decode import speculative
-from kdj.models import layers
-from kdj.models.deepseek import MoE
-from kdj.models.transformer import build_model
-from kdj.pallas import expert_gemv, tree_attention
 
 CATEGORIES = (  # (category, pattern): first match on the lower-cased kernel name wins
     ("attention", r"attention|attn|flash|fmha|mha"),
@@ -98,6 +80,15 @@ def read_events(trace_dir: Path) -> list[tuple[str, str, str, float, float, dict
             for e in events if e.get("ph") == "X"]  # fmt: skip
 
 
+def in_module(events, module: str | None) -> list:
+    """The events of HLO modules matching `module` (None: all). Events naming no module
+    (copies) are dropped with the filter on, unless no event names one."""
+    if module is None or not any("hlo_module" in e[5] for e in events):
+        return events
+    pattern = re.compile(module)
+    return [e for e in events if pattern.search(e[5].get("hlo_module", "\0"))]
+
+
 def device_events(events) -> list[tuple[str, float, float, str, str]]:
     """(name, start, duration, thread, hlo_op) of device work, by start. GPU: events on the
     /device:* processes' stream threads (not derived lines such as "XLA Ops"). CPU: XLA thunks
@@ -113,8 +104,8 @@ def device_events(events) -> list[tuple[str, float, float, str, str]]:
     return sorted(out, key=lambda e: e[1])
 
 
-def summarise(events, traced_s: float, steps: int) -> dict:
-    kernels = device_events(events)
+def summarise(events, traced_s: float, steps: int, module: str | None = None) -> dict:
+    kernels = device_events(in_module(events, module))
     if not kernels:
         raise RuntimeError(f"no device events among the trace's {len(events)} events")
     wall_us = traced_s * 1e6
@@ -148,199 +139,104 @@ def summarise(events, traced_s: float, steps: int) -> dict:
 
 
 # ------------------------------------------------------------------------------ the cases
-def ar_case(target, B, context, steps, rng):
-    """(prepare, run): prepare() prefills a fresh cache; run(prefilled) decodes `steps` steps."""
-    g, s, cfg = target.graphdef, target.state, target.cfg
-    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, context)), jnp.int32)
-    lens = jnp.full((B,), context, jnp.int32)
-    stop, max_new = jnp.full((B, 1), -1, jnp.int32), jnp.full((B,), steps + 1, jnp.int32)
-    key, temp, top_p = jax.random.key(0), jnp.float32(1e-6), jnp.float32(1.0)
+def generate_case(tgt, name: str, B: int, method: str, args):
+    """(run, steps of a run, module) of kdj.generate: `args.steps` decode steps after a
+    prompt of `args.context` random tokens; run() returns the decode seconds."""
+    kw = {"method": method}
+    if method != "ar":
+        kw["drafter"] = harness.random_drafter(harness.drafter_config(tgt.cfg, name), args.dtype)
+        if method.startswith("ddtree"):
+            kw |= {"method": "ddtree", "tree_budget": int(method[6:])}
+    prompts = harness.random_prompts(tgt.cfg.vocab_size, B, args.context)
+    box = {}
 
-    def prepare():
-        cache = init_cache(cfg, B, -(-(context + steps + 1) // 128) * 128, target.dtype)
-        pre = ar.prefill_and_sample(g, s, tokens, lens, cache, key, temp, top_p, greedy=True)
-        return jax.block_until_ready(pre)
+    def run():
+        out = kdj.generate(tgt, prompts, max_new_tokens=args.steps + 1, stop_tokens=[], **kw)
+        box["steps"] = out.stats["steps"]
+        return out.stats["decode_s"]
 
-    def run(pre):
-        out = ar.decode_loop(g, s, pre[1], pre[0], max_new, stop, key, temp, top_p, greedy=True,
-                             max_steps=steps + 1)  # fmt: skip
-        assert int(out[2]) == steps, f"the decode loop ran {int(out[2])} steps, not {steps}"
-
-    return prepare, run
+    return run, box, args.module
 
 
-def auto_skip_case(target, B, context, steps, rng, first_drafts=False):
-    """(prepare, run) of method="auto"'s loop whose every step skips the drafter: a random
-    4-layer, block-16 drafter at the target's width, the default menu, a prior of 1 token per
-    step and a draft pass priced at 1 s, so the first probe is PROBE_MAX steps away. With
-    first_drafts, no prior: the first step drafts, then the same (the loop may then take
-    fewer steps than asked; times are still per asked step)."""
-    import dataclasses
+def step_case(tgt, B: int, args):
+    """(run, steps, module) of one target forward step queued `args.steps` times."""
+    cfg, ctx = tgt.cfg, args.context
+    tokens = jnp.asarray(np.random.default_rng(B).integers(0, cfg.vocab_size, (B, 1)), jnp.int32)
+    start = jnp.full((B,), ctx, jnp.int32)
+    forward = harness.forward_step(tgt.model)
 
-    from kdj.cost import StepCost
-    from kdj.train.config import DrafterShape
-    from kdj.train.loop import drafter_config_for
-
-    cfg = target.cfg
-    n = min(4, cfg.num_layers)
-    ids = None if cfg.num_layers > 4 else list(range(n))  # a tiny test target: its layers
-    shape = DrafterShape(num_layers=n, block_size=16, mask_token_id=0, target_layer_ids=ids)
-    dcfg = drafter_config_for(cfg, shape)
-    drafter = kdj.Drafter.from_model(kdj.models.drafter.build_drafter(dcfg, target.dtype))
-    n_params = sum(int(x.size) for x in jax.tree.leaves(drafter.state))
-    cost = StepCost.for_config(cfg).with_drafter(dcfg, n_params, cfg)
-    cost = dataclasses.replace(cost, draft_fixed_s=1.0)  # never pays, probes PROBE_MAX apart
-    shapes = kdj.api._menu("auto", None, 16, None)
-    if steps >= speculative.PROBE_MAX:
-        raise ValueError(f"auto-skip profiles fewer than {speculative.PROBE_MAX} steps")
-    tg, ts, dg, ds = target.graphdef, target.state, drafter.graphdef, drafter.state
-    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, context)), jnp.int32)
-    lens = jnp.full((B,), context, jnp.int32)
-    stop, max_new = jnp.full((B, 1), -1, jnp.int32), jnp.full((B,), steps + 1, jnp.int32)
-    key, temp, top_p, one = jax.random.key(0), jnp.float32(1e-6), jnp.float32(1.0), jnp.float32(1)
-    prior = jnp.float32(0 if first_drafts else 1)  # 0: unknown, so the first step drafts
-    capacity = -(-(context + steps + 17) // 128) * 128
-
-    def prepare():
-        tcache = init_cache(cfg, B, capacity, target.dtype)
-        dcache = init_cache(dcfg.layers, B, capacity, target.dtype)
-        pre = speculative.prefill(tg, ts, dg, ds, tokens, lens, tcache, dcache, key, temp, top_p,
-                                  greedy=True)  # fmt: skip
-        return jax.block_until_ready(pre)
-
-    def run(pre):
-        out = speculative.decode_loop(tg, ts, dg, ds, pre[1], pre[2], pre[0], max_new, stop, key,
-                                      temp, top_p, one, prior, greedy=True, max_steps=steps + 1,
-                                      block_size=16, shapes=shapes, cost=cost)  # fmt: skip
-        choices = np.asarray(out[4])[: int(out[6])]
-        # a drafted first step may commit several tokens: then fewer steps than asked
-        assert int(out[6]) == steps or first_drafts, f"{int(out[6])} steps"
-        assert (choices[1:] == len(shapes)).all(), f"a probe drafted: {choices}"
-        assert (choices[0] != len(shapes)) == first_drafts, "the first step"
-
-    return prepare, run
-
-
-def step_case(target, B, context, steps, rng, static: bool):
-    cfg, g, s = target.cfg, target.graphdef, target.state
-    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, 1)), jnp.int32)
-    start = jnp.full((B,), context, jnp.int32)
-    forward = make_forward(g, s)
-
-    @functools.partial(jax.jit, static_argnums=0, donate_argnums=4)
-    def static_forward(graphdef, state, tokens, start, cache):  # roofline.py's old step
-        return nnx.merge(graphdef, state)(tokens, start, cache)[:2]
-
-    def prepare():
-        return [jax.block_until_ready(filled_cache(cfg, B, context + 1, context, target.dtype))]
-
-    def run(box):
-        for _ in range(steps):
-            if static:  # synced after every call, as roofline.median_time does
-                logits, box[0] = static_forward(g, s, tokens, start, box[0])
-                jax.block_until_ready(logits)
-            else:  # queued back to back, as roofline.chained_time does
-                logits, box[0] = forward(tokens, start, box[0])
+    def run():
+        box = [harness.filled_cache(cfg, B, ctx + 1, ctx, tgt.dtype)]
+        jax.block_until_ready(box[0])
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            logits, box[0] = forward(tokens, start, box[0])
         jax.block_until_ready(logits)
+        return time.perf_counter() - t0
 
-    return prepare, run
+    return run, {"steps": args.steps}, None
 
 
-def moe_case(name: str, B: int, T: int, steps: int, dtype):
-    """(prepare, run) of the first MoE layer of a 2-layer slice of config `name` alone on B * T
-    random tokens (what roofline.py --moe-shapes times), `steps` calls queued back to back."""
-    model, _ = build(name, 2, jnp.dtype(dtype))
-    moe = next(m for _, m in nnx.iter_modules(model) if isinstance(m, MoE))
-    forward = moe_forward(moe)
-    x = jax.random.normal(jax.random.key(B * 1000 + T), (B, T, model.cfg.hidden_size), dtype)
+def moe_case(name: str, B: int, T: int, args):
+    """(run, steps, module) of the first MoE layer of a 2-layer slice of config `name` alone
+    on B * T random tokens (what roofline.py --moe-shapes times), queued `args.steps` times."""
+    tgt = harness.random_target(name, 2, args.dtype)
+    moes = harness.moe_layers(tgt.model)
+    if not moes:
+        raise ValueError(f"{name} has no MoE layer in its first two layers")
+    forward = harness.jit_over_params(moes[0], lambda m, x: m(x))
+    x = jax.random.normal(jax.random.key(B * 1000 + T), (B, T, tgt.cfg.hidden_size), tgt.dtype)
 
-    def run(_):
-        for _ in range(steps):
+    def run():
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
             y = forward(x)
         jax.block_until_ready(y)
+        return time.perf_counter() - t0
 
-    return lambda: None, run
-
-
-def _never(x, w) -> bool:
-    return False
+    return run, {"steps": args.steps}, None
 
 
-# "ar" with kdj's trace-time rules changed: (module, attribute) -> the value for the case
-SWITCHES = {
-    "ar-xla-dense": {(layers, "uses_gemv"): _never, (layers, "uses_head_gemv"): _never},
-    "ar-xla-heads": {(layers, "uses_head_gemv"): _never},
-    "ar-xla-small": {(layers, "GEMV_MIN_WEIGHTS"): 1 << 21},
-    "ar-xla-latent": {(layers, "LATENT_KERNEL_MIN_DECODE_CAPACITY"): 16384},
-    "ar-latent-split8": {(tree_attention, "DECODE_MIN_SPLIT_BLOCKS"): 8},
-    "ar-gemv-programs-512": {(expert_gemv, "PROGRAMS"): 512},
-    "ar-gemv-programs-1024": {(expert_gemv, "PROGRAMS"): 1024},
-}
+GENERATE = re.compile(r"ar|dflash|ddtree\d+|auto")
 
 
 def profile_case(spec: str, args, targets: dict, trace_root: Path) -> dict:
-    name, batch, method = spec.rsplit(":", 2)
-    B, steps, ctx = int(batch), args.steps, args.context
-    moe_tokens = re.fullmatch(r"moe-(\d+)", method)
-    if not moe_tokens and method not in (
-        "ar", *SWITCHES, "auto-skip", "auto-first", "step", "step-static",
-    ):  # fmt: skip
-        methods = ", ".join(["ar", *SWITCHES, "auto-skip", "auto-first", "step", "step-static"])
-        raise ValueError(f"{spec}: the method must be one of {methods} or moe-T")
-    if moe_tokens:
+    parts = spec.rsplit(":", 3) if spec.count(":") >= 3 else [*spec.rsplit(":", 2), "default"]
+    name, batch, what, kernels = parts
+    if kernels not in harness.KERNEL_CASES:
+        raise ValueError(f"{spec}: kernel case {kernels!r} is not one of "
+                         f"{sorted(harness.KERNEL_CASES)}")  # fmt: skip
+    B, moe = int(batch), re.fullmatch(r"moe-(\d+)", what)
+    if moe:
         targets.clear()
-        prepare, run = moe_case(name, B, int(moe_tokens[1]), steps, args.dtype)
-        return traced(spec, prepare, run, steps, trace_root) | {
-            "model": name, "batch": B, "method": method,
-        }  # fmt: skip
-    if name not in targets:  # a config (random weights) or anything kdj.load_target takes
-        targets.clear()  # one model in memory at a time
-        if name.endswith((".yaml", ".yml")) or (CONFIGS / f"{name}.yaml").exists():
-            model = build_model(model_config(name), jnp.dtype(args.dtype))
-            targets[name] = kdj.Target.from_model(model, name)
+        run, steps, module = moe_case(name, B, int(moe[1]), args)
+    elif GENERATE.fullmatch(what) or what == "step":
+        if name not in targets:
+            targets.clear()  # one model in memory at a time
+            targets[name] = harness.load(name, dtype=args.dtype)[0]
+        tgt = harness.with_kernels(targets[name], kernels)
+        if GENERATE.fullmatch(what):
+            run, steps, module = generate_case(tgt, name, B, what, args)
         else:
-            targets[name] = kdj.load_target(name, dtype=args.dtype)
-    target, rng = targets[name], np.random.default_rng(B)
-    if method in SWITCHES:  # traced afresh with some of kdj's trace-time rules changed
-        rules = SWITCHES[method]
-        keep = {rule: getattr(*rule) for rule in rules}
-        jax.clear_caches()
-        try:
-            for (module, attr), value in rules.items():
-                setattr(module, attr, value)
-            traces = trace_root / method  # its own folder: the "ar" case's may exist
-            return profile_case(f"{name}:{batch}:ar", args, targets, traces) | {
-                "case": spec,
-                "method": method,
-            }
-        finally:
-            for (module, attr), value in keep.items():
-                setattr(module, attr, value)
-            jax.clear_caches()
-    if method == "ar":
-        prepare, run = ar_case(target, B, ctx, steps, rng)
-    elif method in ("auto-skip", "auto-first"):
-        prepare, run = auto_skip_case(target, B, ctx, steps, rng, method == "auto-first")
+            run, steps, module = step_case(tgt, B, args)
     else:
-        prepare, run = step_case(target, B, ctx, steps, rng, method == "step-static")
-    return traced(spec, prepare, run, steps, trace_root) | {
-        "model": name, "batch": B, "method": method, "context": ctx,
+        raise ValueError(f"{spec}: WHAT must be ar, dflash, ddtree<budget>, auto, step or moe-T")
+    return traced(spec, run, steps, module, trace_root) | {
+        "model": name, "batch": B, "method": what, "kernel_case": kernels, "context": args.context,
     }  # fmt: skip
 
 
-def traced(spec: str, prepare, run, steps: int, trace_root: Path) -> dict:
+def traced(spec: str, run, steps: dict, module, trace_root: Path) -> dict:
     """Run a case three times (compile, time, trace) and summarise its trace."""
     trace_dir, seconds = trace_root / re.sub(r"[^\w.-]+", "_", spec), []
     trace = jax.profiler.trace(str(trace_dir), create_perfetto_trace=True)
     for scope in (nullcontext(), nullcontext(), trace):  # compile, time, trace
-        pre = prepare()
         with scope:
-            t0 = time.perf_counter()
-            run(pre)
-            seconds.append(time.perf_counter() - t0)
-    summary = summarise(read_events(trace_dir), seconds[2], steps)
-    return {"case": spec, "steps": steps, "compile_s": seconds[0],
-            "wall_ms_per_step": seconds[1] * 1e3 / steps, **summary,
+            seconds.append(run())
+    n = steps["steps"]
+    summary = summarise(read_events(trace_dir), seconds[2], n, module)
+    return {"case": spec, "steps": n, "compile_s": seconds[0],
+            "wall_ms_per_step": seconds[1] * 1e3 / n, **summary,
             "trace_dir": str(trace_dir)}  # fmt: skip
 
 
@@ -355,18 +251,24 @@ def report(r: dict, top: int) -> None:
               f"{k['name'][:80]}")  # fmt: skip
 
 
-def main(argv=None) -> dict:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="profile_step", description=__doc__.splitlines()[0])
-    p.add_argument("--cases", nargs="+", required=True, help="MODEL:BATCH:METHOD ...")
+    p.add_argument("--cases", nargs="+", required=True, help="MODEL:BATCH:WHAT[:KERNELS] ...")
     p.add_argument("--context", type=int, default=512, help="tokens in the cache per sequence")
     p.add_argument("--steps", type=int, default=32, help="decode steps traced per case")
+    p.add_argument("--module", default="decode", help="regex of the decode loop's HLO module")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--top", type=int, default=25, help="kernels printed per case")
     p.add_argument("--out", help="JSON path")
     p.add_argument("--trace-dir", help="where the raw traces go (default: a temporary dir)")
+    return p
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    p = parser()
     args = p.parse_args(argv)
-    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "cases": [],
-              "date": time.strftime("%Y-%m-%d"), "argv": argv or sys.argv[1:]}  # fmt: skip
+    result = {"cases": []}
     trace_root = Path(args.trace_dir or tempfile.mkdtemp(prefix="kdj_profile_"))
     targets: dict = {}
     for spec in args.cases:
@@ -377,9 +279,8 @@ def main(argv=None) -> dict:
             traceback.print_exc()
             r = {"case": spec, "error": f"{type(e).__name__}: {e}"}
         result["cases"].append(r)
-        if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=1))
-    return result
+        harness.write_result(args.out, dict(result), argv)
+    return harness.write_result(args.out, result, argv)
 
 
 if __name__ == "__main__":

@@ -13,14 +13,15 @@ combines three measurements, none of them new:
   a (B, T) pair missing there (skipped as too large) falls back to the fitted cost model's
   prediction at the roofline's context, marked "predicted";
 - the kdj.cost.StepCost fitted by that run, plus the draft pass of a DFlash drafter of the
-  published shape at the target's width (DRAFTER below, params counted from abstract shapes);
+  published shape at the target's width (bench/drafters.yaml; params counted from abstract
+  shapes);
 - tau (tokens committed per step) and the drafter's calibrated forecast of it
   (mean_expected_acceptance) of every method on the real SmolLM2 pair, each taken at the
   batch closest to 16 (tau hardly depends on the batch).
 
 Per draft shape and batch B:  step = target step(B, 1 + nodes) + draft_seconds(B, context)
 (no draft pass for AR) and tokens/s = B * tau_real / step. "auto" replays the controller with
-the real pair's forecasts as gains (kdj.decode.speculative): if `drafting_pays` says no, it
+the real pair's forecasts as gains (kdj.decode.auto): if `drafting_pays` says no, it
 decodes plainly (= AR); otherwise it verifies the `choose` argmax and gets that shape's
 projected tokens/s, with the draft pass of the largest tree left on the menu. Before that, as
 kdj.generate does, the menu is trimmed to the entries `paying_menu` says can pay at the batch
@@ -38,34 +39,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # post-processing only
 
+import harness  # noqa: E402  (bench/ is the script directory)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from kdj.config import ModelConfig, load_yaml  # noqa: E402
 from kdj.cost import StepCost  # noqa: E402
-from kdj.decode import speculative  # noqa: E402
-from kdj.decode.tree import DraftShape  # noqa: E402
-from kdj.models.drafter import DrafterConfig, build_drafter, default_target_layer_ids  # noqa: E402
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "models"
-# DFlash drafter at the target's width, Qwen3-style: (layers, heads, kv heads, head_dim, FFN,
-# block). Assumed shape: 5 layers as published, the Qwen3-30B-A3B attention layout at hidden
-# 2048 (32/4 heads of 128), FFN 6144, block 16 (a chain of 15 drafts).
-DRAFTER = (5, 32, 4, 128, 6144, 16)
+try:  # auto's controller: kdj.decode.auto (kdj.decode.speculative before issue 22's split)
+    from kdj.decode import auto as controller  # noqa: E402
+except ImportError:
+    from kdj.decode import speculative as controller  # noqa: E402
+from kdj.decode.tree import DraftShape  # noqa: E402
+from kdj.models.drafter import DrafterConfig, build_drafter  # noqa: E402
+
 PLOTTED = {"ar": "AR", "dflash": "DFlash (chain 15)", "auto": "auto (kdj controller)"}
 
 
 # ------------------------------------------------------------------------------ inputs
-def model_config(name: str) -> ModelConfig:
-    path = Path(name) if name.endswith((".yaml", ".yml")) else CONFIGS / f"{name}.yaml"
-    return ModelConfig.from_hf(load_yaml(path))
-
-
 def load_roofline(path, model: str, experts: str) -> tuple[dict, int]:
     """({(batch, tokens_per_seq): measured seconds}, the context it was measured at) from
     bench/roofline.py's JSON: rows of this expert format (and model, when there are several);
@@ -98,19 +94,6 @@ def load_real(path, methods) -> dict:
         forecast = 1.0 if name == "ar" else m.get("mean_expected_acceptance", m["tau"])
         out[name] = {"tau": float(m["tau"]), "forecast": float(forecast), "batch": row["batch"]}
     return out
-
-
-def drafter_config(cfg: ModelConfig) -> DrafterConfig:
-    n, H, KVH, hd, ffn, block = DRAFTER
-    lc = cfg.replace(family="llama", model_type="qwen3", num_layers=n, num_heads=H,
-                     num_kv_heads=KVH, head_dim=hd, intermediate_size=ffn, qk_norm=True,
-                     qkv_bias=False, o_bias=False, tie_word_embeddings=False)  # fmt: skip
-    L = cfg.num_layers
-    # the published taps; a target too shallow for n distinct ones (a test's tiny config)
-    # taps each of its layers that the formula reaches, once
-    ids = tuple(sorted({min(max(i, 0), L - 1) for i in default_target_layer_ids(L, n)}))
-    return DrafterConfig(layers=lc, block_size=block, mask_token_id=cfg.vocab_size - 1,
-                         target_layer_ids=ids, num_target_layers=L)  # fmt: skip
 
 
 def drafter_params(dcfg: DrafterConfig) -> int:
@@ -150,23 +133,23 @@ def project(steps, roof_ctx, cost, real, shapes, batches, context) -> list[dict]
         # batch (priced at the real pair's tau), then fed the real pair's forecasts for every
         # sequence of the batch
         measured = {str(s): real[n]["tau"] for n, s in shapes.items() if s.kind != "none"}
-        kept = speculative.paying_menu(tuple(shapes.values()), cost, B, context,
+        kept = controller.paying_menu(tuple(shapes.values()), cost, B, context,
                                        max(measured.values()), measured)  # fmt: skip
         kept_names = [n for n in names if shapes[n] in kept]
         pays, choice = False, "ar"
         if len(kept) > 1:
             gains = jnp.asarray([[real[n]["forecast"]] * B for n in kept_names])  # [S, B]
             active = jnp.ones((B,), bool)
-            pays = bool(speculative.drafting_pays(kept, gains, active, cost, context))
+            pays = bool(controller.drafting_pays(kept, gains, active, cost, context))
             # drafting pays => some shape beats plain even with the draft paid, so `choose`
             # (draft sunk) never picks "none" then: auto is one of the kept fixed methods
             if pays:
-                choice = kept_names[int(speculative.choose(kept, gains, active, cost, context))]
+                choice = kept_names[int(controller.choose(kept, gains, active, cost, context))]
         auto = {**methods[choice], "choice": choice, "drafting_pays": pays,
                 "menu": [str(s) for s in kept]}  # fmt: skip
         if choice != "ar":  # a drafting step builds the menu's largest tree, not its own
             m = methods[choice]
-            draft_s = float(cost.draft_seconds(B, context, speculative.largest_tree(kept)))
+            draft_s = float(cost.draft_seconds(B, context, controller.largest_tree(kept)))
             step = m["target_ms"] / 1e3 + draft_s
             auto.update(tokens_per_s=B * m["tau"] / step, step_ms=step * 1e3,
                         draft_ms=draft_s * 1e3)  # fmt: skip
@@ -241,7 +224,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------ main
-def main(argv=None) -> dict:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="project_auto", description=__doc__.splitlines()[0])
     p.add_argument("--roofline", required=True, help="bench/roofline.py JSON")
     p.add_argument("--cost", required=True, help="StepCost JSON fitted by that run")
@@ -249,14 +232,22 @@ def main(argv=None) -> dict:
     p.add_argument("--out", required=True, help="JSON path; .md and .png are written beside it")
     p.add_argument("--model", default="moonlight-16b-a3b", help="configs/models name or YAML")
     p.add_argument("--experts", default="bf16", help="roofline rows of this expert format")
+    p.add_argument("--drafter-shape", default="moonlight-16b-a3b",
+                   help="the bench/drafters.yaml shape priced for the draft pass")  # fmt: skip
     p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16, 64, 256])
     p.add_argument("--budgets", nargs="+", type=int, default=[16, 64, 256])
     p.add_argument("--context", type=int, default=512 + 64, help="prompt + half the new tokens")
+    return p
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    p = parser()
     args = p.parse_args(argv)
 
-    cfg = model_config(args.model)
+    cfg = harness.model_config(args.model)
     steps, roof_ctx = load_roofline(args.roofline, args.model, args.experts)
-    dcfg = drafter_config(cfg)
+    dcfg = harness.drafter_config(cfg, args.drafter_shape)
     n_params = drafter_params(dcfg)
     cost = StepCost.load(args.cost).with_drafter(dcfg, n_params, cfg)
     shapes = menu(dcfg.block_size - 1, args.budgets)
@@ -268,20 +259,20 @@ def main(argv=None) -> dict:
         "context": args.context,
         "roofline_context": roof_ctx,
         "drafter": {
-            "layers": DRAFTER[0],
-            "heads": DRAFTER[1],
-            "kv_heads": DRAFTER[2],
-            "head_dim": DRAFTER[3],
-            "ffn": DRAFTER[4],
-            "block_size": DRAFTER[5],
+            "layers": dcfg.layers.num_layers,
+            "heads": dcfg.layers.num_heads,
+            "kv_heads": dcfg.layers.num_kv_heads,
+            "head_dim": dcfg.layers.head_dim,
+            "ffn": dcfg.layers.intermediate_size,
+            "block_size": dcfg.block_size,
             "params": n_params,
-        },  # fmt: skip
+        },
         "shapes": {n: str(s) for n, s in shapes.items()},
         "real_pair": real,
         "rows": project(steps, roof_ctx, cost, real, shapes, args.batches, args.context),
     }
     out = Path(args.out)
-    out.write_text(json.dumps(result, indent=2))
+    result = harness.write_result(out, result, argv)
     table = markdown(result)
     out.with_suffix(".md").write_text(table)
     plot(result, out.with_suffix(".png"))

@@ -6,18 +6,15 @@ autoregressive step; T = 8, 16 are verify sizes) and time ONE jitted target forw
 queued back to back, one sync at the end, as a decode loop runs them). Account per step:
 
 - bytes: dense weights read once (an untied embedding only gathers B*T rows), plus the
-  routed experts ACTUALLY touched (distinct expert ids per MoE layer, read from the routing
-  of that very step), plus the KV cache read (context + T per sequence) and written (T);
+  routed experts ACTUALLY touched (distinct expert ids per MoE layer, from the routing of
+  that very step), plus the KV cache read (context + T per sequence) and written (T);
 - FLOPs: 2 x tokens x every matmul weight (routed experts: k assignments per token), plus
   attention (scores and values over context + T).
 
 and report the achieved fraction of 4.3 TB/s (ANCHORS.md's practical HBM ceiling) and of a
 bf16 matmul rate measured in the same run (an 8192^3 matmul, its calls queued the same way).
 For MoE models the MoE layer is also timed alone (B x T tokens through one layer, its calls
-queued: routed experts touched at bandwidth, or at matmul rate). Until 2026-11-30 the layer
-and the matmul were timed one synchronised call at a time, the layer's GraphDef hashed per
-call: host time counted as the layer's, and the matmul rate came out low (BENCHMARKS.md,
-"The MoE layer timed as a step runs it").
+queued: routed experts touched at bandwidth, or at matmul rate).
 
     python bench/roofline.py --models kimi-k2-slice --experts bf16 int4 --out $OUT/roofline.json
 
@@ -35,63 +32,22 @@ a markdown table (.md) and a plot (.png, when matplotlib is installed) next to -
 from __future__ import annotations
 
 import argparse
-import functools
 import json
-import platform
-import statistics
+import sys
 import time
 from pathlib import Path
 
+import harness  # bench/ is the script directory
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import kdj
-from kdj.cache import init_cache
-from kdj.config import ModelConfig, load_yaml
-from kdj.models.deepseek import MoE, quantize_experts, route
-from kdj.models.transformer import build_model
+from kdj.config import ModelConfig
+from kdj.models.deepseek import quantize_experts, route
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "models"
-HBM_BPS = 4.3e12  # ANCHORS.md: practical H200 bandwidth ceiling
+HBM_BPS = harness.HBM_BPS
 EXPERT_PARAMS = ("w_gate_up", "w_down", "gate_up_scale", "down_scale")
-
-
-# ------------------------------------------------------------------------------ ceilings
-def matmul_rate(n: int, repeats: int = 10) -> float:
-    """bf16 FLOP/s of an n x n x n matmul through jax.jit, on random data."""
-    a, b = (jax.random.normal(jax.random.key(i), (n, n), jnp.bfloat16) for i in (0, 1))
-    f = jax.jit(lambda a, b: a @ b)
-    return 2 * n**3 / chained_time(lambda: f(a, b), repeats)  # timed as the steps are
-
-
-def median_time(fn, repeats: int) -> float:
-    """Median wall time (s) of fn() after one warm-up call, synchronised on its result."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-# ------------------------------------------------------------------------------ models
-def model_config(name: str) -> ModelConfig:
-    path = Path(name) if name.endswith((".yaml", ".yml")) else CONFIGS / f"{name}.yaml"
-    return ModelConfig.from_hf(load_yaml(path))
-
-
-def build(name: str, layers: int | None, dtype) -> tuple[nnx.Module, str]:
-    """(model, "real" | "random"); layers truncates the stack (a slice of a big model)."""
-    if name == "smollm2-135m-instruct":
-        model = kdj.load_target(name, dtype=dtype).model
-        return model, "real"
-    cfg = model_config(name)
-    if layers:
-        cfg = cfg.replace(num_layers=layers)
-    return build_model(cfg, dtype), "random"
 
 
 # ------------------------------------------------------------------------------ accounting
@@ -144,98 +100,43 @@ def kv_bytes(cfg: ModelConfig, B: int, T: int, context: int, itemsize: int) -> i
 
 
 # ------------------------------------------------------------------------------ the step
-def jit_over_params(graphdef, state, call, **jit_kw):
-    """call(module, *args) jitted over the params' flat leaves, the graph definition closed
-    over; returns f(*args). A jit taking the NNX graphdef as a static argument hashes the
-    whole graph on every call (flax's GraphDef.__hash__ is not cached: 0.9 ms for SmolLM2 on
-    a CPU host, flax 0.12) and flattens the nnx.State through Python (0.2 ms): host time that
-    a timing of one step counted as device time. jit_kw: argnums count the leaves as 0."""
-    leaves, treedef = jax.tree.flatten(state)
-
-    @functools.partial(jax.jit, **jit_kw)
-    def run(leaves, *args):
-        return call(nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)), *args)
-
-    return functools.partial(run, leaves)
+def touched_experts(model, tokens, start, cache) -> dict[int, int]:
+    """{layer: distinct experts routed to by this step's tokens}: the step replayed block by
+    block (as Transformer.__call__ runs them), each MoE layer's router applied to its input."""
+    graphdef, state = nnx.split(model)
+    ids = jax.jit(_routing, static_argnums=0)(graphdef, state, tokens, start, cache)
+    return {i: int(np.unique(np.asarray(idx)).size) for i, idx in ids.items()}
 
 
-def make_forward(graphdef, state):
-    """forward(tokens, start, cache) -> (logits, cache donated) for these params."""
-    return jit_over_params(graphdef, state, lambda m, *a: m(*a)[:2], donate_argnums=3)
+def _routing(graphdef, state, tokens, start, cache) -> dict:
+    from kdj.models.layers import causal_tree
 
-
-def looped_time(body, init, iters: int, *operands) -> float:
-    """Seconds per iteration of carry = body(i, carry, *operands), run `iters` times inside
-    one jitted fori_loop (no dispatch in the timing), after a compile + warm-up run. The
-    operands are arguments, not constants folded into the program; body should change its
-    inputs with i, so that XLA cannot hoist the work out of the loop."""
-
-    @jax.jit
-    def loop(init, *operands):
-        return jax.lax.fori_loop(0, iters, lambda i, c: body(i, c, *operands), init)
-
-    jax.block_until_ready(loop(init, *operands))
-    t0 = time.perf_counter()
-    jax.block_until_ready(loop(init, *operands))
-    return (time.perf_counter() - t0) / iters
-
-
-def chained_time(step, repeats: int) -> float:
-    """Seconds per step of `repeats` steps queued back to back and synchronised once, after
-    one warm-up step. Each step takes the cache the previous one returned, so they run in
-    order while the host queues the next (as in a decode loop): this is device time per
-    step unless dispatching a step takes longer than running it."""
-    jax.block_until_ready(step())
-    t = time.perf_counter()
-    for _ in range(repeats):
-        out = step()
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t) / repeats
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def routing(graphdef, state, tokens, start, cache):
-    """The same step, returning every MoE layer's expert ids {path: [N, k]}."""
     model = nnx.merge(graphdef, state)
-    model(tokens, start, cache)
-    return nnx.to_pure_dict(nnx.state(model, nnx.Intermediate))
-
-
-def filled_cache(cfg, B, capacity, context, dtype, seed=0):
-    """A cache of random entries (never time on zeros) holding `context` tokens each."""
-    cache = init_cache(cfg, B, capacity, dtype)
-    keys = jax.random.split(jax.random.key(seed), 2 * cfg.num_layers)
-    k = [jax.random.normal(keys[i], x.shape, x.dtype) for i, x in enumerate(cache.k)]
-    v = [jax.random.normal(keys[-1 - i], x.shape, x.dtype) for i, x in enumerate(cache.v)]
-    lengths = jnp.full((B,), context, jnp.int32)
-    return type(cache)(k=k, v=v, lengths=lengths)
-
-
-def touched_experts(model, state, tokens, start, cache) -> dict[int, int]:
-    """{layer: distinct experts routed to by this step's tokens}."""
-    moes = [m for _, m in nnx.iter_modules(model) if isinstance(m, MoE)]
-    for m in moes:
-        m.record_routing = True
-    graphdef, _ = nnx.split(model)
-    for m in moes:
-        m.record_routing = False
-    ids = routing(graphdef, state, tokens, start, cache)
-    out = {}
-    for layer, sub in ids["layers"].items():
-        (idx,) = sub["mlp"]["routing"]
-        out[int(layer)] = int(np.unique(np.asarray(idx)).size)
-    return out
+    B, T = tokens.shape
+    positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)
+    tree, x, ids = causal_tree(B, T), model.embed[...][tokens], {}
+    for i, block in enumerate(model.layers):
+        v = cache.v[i] if cache.v else None
+        h = block.attn(block.attn_norm(x), positions, start, tree, cache.k[i], v)[0]
+        x = x + h
+        y = block.mlp_norm(x)
+        if model.cfg.is_moe_layer(i):
+            moe = block.mlp
+            bias = None if moe.bias is None else moe.bias[...]
+            ids[i] = route(y.reshape(B * T, -1), moe.router[...], bias, model.cfg)[1]
+        x = x + block.mlp(y)
+    return ids
 
 
 def time_step(model, cfg, B, T, context, repeats, mm_rate) -> dict:
-    graphdef, state = nnx.split(model)
+    state = nnx.state(model)
     dtype = model.embed[...].dtype
     rng = np.random.default_rng(B * 1000 + T)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)), jnp.int32)
     start = jnp.full((B,), context, jnp.int32)
-    cache = filled_cache(cfg, B, context + T, context, dtype)
-    touched = touched_experts(model, state, tokens, start, cache) if cfg.n_routed_experts else {}
-    forward, box = make_forward(graphdef, state), [cache]
+    cache = harness.filled_cache(cfg, B, context + T, context, dtype)
+    touched = touched_experts(model, tokens, start, cache) if cfg.n_routed_experts else {}
+    forward, box = harness.forward_step(model), [cache]
 
     def step():
         logits, box[0] = forward(tokens, start, box[0])
@@ -244,7 +145,7 @@ def time_step(model, cfg, B, T, context, repeats, mm_rate) -> dict:
     t0 = time.perf_counter()
     jax.block_until_ready(step())
     compile_s = time.perf_counter() - t0
-    seconds = chained_time(step, repeats)
+    seconds = harness.chained(step, repeats)
     dense, held = weight_bytes(state, cfg, B * T)
     E = cfg.n_routed_experts or 1
     expert = sum(held[layer] * touched[layer] / E for layer in held)
@@ -263,22 +164,17 @@ def time_step(model, cfg, B, T, context, repeats, mm_rate) -> dict:
 
 
 # ------------------------------------------------------------------------------ MoE alone
-def moe_forward(moe):
-    """forward(x) -> the MoE layer's output, jitted over the layer's parameters."""
-    return jit_over_params(*nnx.split(moe), lambda m, x: m(x))
-
-
 def time_moe(model, cfg, B, T, repeats, mm_rate) -> dict:
     """One MoE layer on B*T random tokens: routed experts touched + shared + router bytes."""
-    moe = next(m for _, m in nnx.iter_modules(model) if isinstance(m, MoE))
+    moe = harness.moe_layers(model)[0]
     state = nnx.state(moe)
     dtype = model.embed[...].dtype
     x = jax.random.normal(jax.random.key(B * 1000 + T), (B, T, cfg.hidden_size), dtype)
     bias = None if moe.bias is None else moe.bias[...]
     _, idx = jax.jit(route, static_argnums=3)(x.reshape(B * T, -1), moe.router[...], bias, cfg)
     touched = int(np.unique(np.asarray(idx)).size)
-    forward = moe_forward(moe)
-    seconds = chained_time(lambda: forward(x), repeats)  # calls queued, one sync
+    forward = harness.jit_over_params(moe, lambda m, x: m(x))
+    seconds = harness.chained(lambda: forward(x), repeats)
     held = sum(v.get_value().nbytes for p, v in nnx.to_flat_state(state) if p[-1] in EXPERT_PARAMS)
     other = sum(
         v.get_value().nbytes for p, v in nnx.to_flat_state(state) if p[-1] not in EXPERT_PARAMS
@@ -353,7 +249,7 @@ def plot(result: dict, path: Path) -> bool:
         ax.set_ylabel(what)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=6)
-    fig.suptitle(f"one target forward step, {result['device']}")
+    fig.suptitle(f"one target forward step, {jax.devices()[0].device_kind}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -389,24 +285,20 @@ def fit_cost(cfg, rows, args, name, fmt) -> None:
 
 
 def run(args) -> dict:
-    dev = jax.devices()[0]
     dtype = jnp.dtype(args.dtype)
-    mm = matmul_rate(args.matmul_size)
-    print(f"device {dev.device_kind}, jax {jax.__version__}, bf16 matmul {mm / 1e12:.1f} TFLOP/s")
-    result = {
-        "date": time.strftime("%Y-%m-%d"), "device": dev.device_kind, "jax": jax.__version__,
-        "python": platform.python_version(), "hbm_ceiling_Bps": HBM_BPS, "matmul_flops": mm,
-        "command": "python bench/roofline.py " + " ".join(args.argv), "rows": [], "moe_rows": [],
-    }  # fmt: skip
+    mm = harness.matmul_rate(args.matmul_size)
+    print(f"{jax.devices()[0].device_kind}: bf16 matmul {mm / 1e12:.1f} TFLOP/s")
+    result = {"hbm_ceiling_Bps": HBM_BPS, "matmul_flops": mm, "rows": [], "moe_rows": []}
     out = Path(args.out) if args.out else None
 
     def save():
         if out is not None:
-            out.write_text(json.dumps(result, indent=2))
+            harness.write_result(out, dict(result), args.argv)
             out.with_suffix(".md").write_text(markdown(result))
 
     for name in args.models:
-        model, weights = build(name, args.layers, dtype)
+        tgt, weights = harness.load(name, args.layers, dtype)
+        model = tgt.model
         cfg = model.cfg
         formats = args.experts if cfg.n_routed_experts else ["bf16"]
         for fmt in formats:
@@ -440,7 +332,7 @@ def run(args) -> dict:
                         f" {row['experts_touched']} experts, {100 * row['frac_hbm']:.0f}% of "
                         f"4.3 TB/s, {100 * row['frac_matmul']:.1f}% of matmul", flush=True,
                     )  # fmt: skip
-        del model
+        del model, tgt
     save()
     if out is not None and plot(result, out.with_suffix(".png")):
         print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
@@ -448,10 +340,7 @@ def run(args) -> dict:
     return result
 
 
-def main(argv=None):
-    import sys
-
-    argv = sys.argv[1:] if argv is None else argv
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="roofline", description=__doc__.splitlines()[0])
     p.add_argument(
         "--models",
@@ -494,6 +383,12 @@ def main(argv=None):
     )
     p.add_argument("--fit-from", help="an earlier run's JSON: measure nothing, only fit "
                    "--fit-cost to its rows of --models (one) and --experts (one)")  # fmt: skip
+    return p
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    p = parser()
     args = p.parse_args(argv)
     if args.fit_from:
         if not args.fit_cost or len(args.models) != 1 or len(args.experts) != 1:
@@ -506,8 +401,7 @@ def main(argv=None):
             have = sorted({r["model"] for r in saved})
             p.error(f"{args.fit_from} has no rows of {tag} ({args.experts[0]}); it has {have} "
                     "(pass --layers N for a slice's rows)")  # fmt: skip
-        cfg = model_config(args.models[0])
-        cfg = cfg.replace(num_layers=args.layers) if args.layers else cfg
+        cfg = harness.model_config(args.models[0], args.layers)
         args.argv = argv
         return fit_cost(cfg, rows, args, args.models[0], args.experts[0])
     if len(args.experts) > 2 or len(args.experts) == 2 and args.experts[0] != "bf16":

@@ -21,14 +21,12 @@ difference / max abs value).
 from __future__ import annotations
 
 import argparse
-import json
-import time
-from pathlib import Path
+import sys
 
+import harness  # bench/ is the script directory
 import jax
 import jax.numpy as jnp
 import numpy as np
-from roofline import looped_time, model_config  # bench/ is the script directory
 
 from kdj.pallas import expert_grouped
 
@@ -56,26 +54,31 @@ def seconds_per_call(fn, xs, iters: int, *operands) -> float:
         y = fn(xs + (i * 1e-3).astype(xs.dtype), *ops)
         return acc + y[:1].astype(jnp.float32).sum()
 
-    return looped_time(body, jnp.float32(0), iters, xs, *operands)
+    return harness.looped(body, jnp.float32(0), iters, xs, *operands)
 
 
-def main(argv=None) -> list:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="moonlight-16b-a3b", help="configs/models name or YAML")
     p.add_argument("--assignments", nargs="+", type=int, default=[96, 24576])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out")
+    return p
+
+
+def main(argv=None) -> list:
+    argv = sys.argv[1:] if argv is None else argv
+    p = parser()
     args = p.parse_args(argv)
-    cfg = model_config(args.model)
+    cfg = harness.model_config(args.model)
     E, D, I, k = (cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                   cfg.num_experts_per_tok)  # fmt: skip
     key = jax.random.key(0)
     mats = {"gate_up": (E, D, 2 * I), "down": (E, I, D)}
     weights = {m: (jax.random.normal(jax.random.fold_in(key, i), s, jnp.float32) * s[1] ** -0.5)
                .astype(jnp.bfloat16) for i, (m, s) in enumerate(mats.items())}  # fmt: skip
-    meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "model": args.model,
-            "date": time.strftime("%Y-%m-%d"), "E": E, "D": D, "I": I, "k": k}  # fmt: skip
+    meta = {"model": args.model, "E": E, "D": D, "I": I, "k": k}
     try:
         import tokamax
 
@@ -107,8 +110,7 @@ def main(argv=None) -> list:
                     row["error"] = f"{type(e).__name__}: {e}"[:400]
                 rows.append(row)
                 print(row, flush=True)
-                if args.out:
-                    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+                harness.write_result(args.out, {"meta": meta, "rows": rows}, argv)
     return rows
 
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
+import sys
 
+import harness  # bench/ is the script directory
 import jax.numpy as jnp
 import numpy as np
 
@@ -47,7 +48,7 @@ def chain_tau(lengths: np.ndarray) -> float:
     return made / max(steps, 1)
 
 
-def main(argv=None) -> dict:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--drafter", default="smollm2-135m-dflash-b16")
     ap.add_argument("--prompts", default=".traincache/data/eval_prompts.json")
@@ -55,6 +56,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", help="also write the result here (JSON)")
+    return ap
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = parser()
     args = ap.parse_args(argv)
     target = kdj.load_target("smollm2-135m-instruct", dtype=args.dtype)
     drafter = kdj.load_drafter(args.drafter, target=target)
@@ -71,9 +78,8 @@ def main(argv=None) -> dict:
         "mean_over_positions": float(np.mean([x.mean() + 1 for x in lengths])),
     }
     print(out)
-    if args.out:
-        meta = {k: getattr(args, k) for k in ("drafter", "num_prompts", "new", "dtype")}
-        Path(args.out).write_text(json.dumps({"meta": meta, **out}, indent=1))
+    meta = {k: getattr(args, k) for k in ("drafter", "num_prompts", "new", "dtype")}
+    harness.write_result(args.out, {"meta": meta, **out}, argv)
     return out
 
 

@@ -5,13 +5,12 @@ For contexts 1K, 8K, 32K committed slots and draft budgets B = 0 (plain decode),
 (H=32, KVH=8, hd=128) and the DeepSeek-V3 MLA absorbed shape (H=128, C=512, R=64), all bf16:
 
 * time: each op jitted inside an on-device loop of --iters calls (one dispatch, each call's
-  q perturbed by the previous output so nothing is hoisted), warm; median of --reps runs;
+  q perturbed by the previous output so nothing is hoisted), after a warm-up run;
 * bandwidth: bytes that must be read/written once (cache slots < start + T: k and v, or the
-  one latent stream; plus q and the output) / time, as a fraction of 4.3 TB/s (the H200's
-  measured copy bandwidth in this workplace);
+  one latent stream; plus q and the output) / time, as a fraction of 4.3 TB/s;
 * error: max |kernel - reference| on the same inputs.
 
-    PYTHONPATH=$PWD python bench/tree_attention.py --out $OUT/tree_attention.json
+    python bench/tree_attention.py --out $OUT/tree_attention.json
 
 --sweep CONFIGS times extra kernel configurations (block_q/block_k/num_warps/num_stages/
 num_splits) at the 32K context, to tune the defaults.
@@ -22,9 +21,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
-import time
+import sys
 
+import harness  # bench/ is the script directory
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,7 +31,7 @@ import numpy as np
 from kdj.models.layers import reference_attention
 from kdj.pallas.tree_attention import latent_tree_attention, tree_attention
 
-HBM = 4.3e12
+HBM = harness.HBM_BPS
 SHAPES = {  # name: (H, KVH, Dk, Dv, latent)
     "qwen3-8b-gqa": (32, 8, 128, 128, False),
     "deepseek-v3-mla": (128, 1, 576, 512, True),
@@ -71,44 +70,39 @@ def op(shape, kind, cfg):
         if kind == "ref":
             vv = k[..., :Dv] if latent else v
             return reference_attention(q, k, vv, start, tree, scale)
+        interpret = jax.default_backend() == "cpu"  # Pallas runs interpreted on a CPU
         if latent:
-            return latent_tree_attention(q, k, start, tree, scale, Dv, **cfg)
-        return tree_attention(q, k, v, start, tree, scale, **cfg)
+            return latent_tree_attention(q, k, start, tree, scale, Dv, interpret=interpret, **cfg)
+        return tree_attention(q, k, v, start, tree, scale, interpret=interpret, **cfg)
 
     return f
 
 
-def timed(f, args, iters, reps):
+def timed(f, args, iters):
+    """Seconds per call of f inside one jitted loop, q perturbed by the previous output."""
     q, k, v, start, tree, scale = args
 
-    @jax.jit
-    def loop(q, k, v, start, tree):
-        def body(_, eps):
-            o = f(q + eps, k, v, start, tree, scale)
-            return (o[0, 0, 0, 0] * 0).astype(q.dtype)
+    def body(_, eps, q, k, v, start, tree):
+        return (f(q + eps, k, v, start, tree, scale)[0, 0, 0, 0] * 0).astype(q.dtype)
 
-        return jax.lax.fori_loop(0, iters, body, jnp.zeros((), q.dtype))
-
-    loop(q, k, v, start, tree).block_until_ready()  # compile + warm
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        loop(q, k, v, start, tree).block_until_ready()
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times)
+    return harness.looped(body, jnp.zeros((), q.dtype), iters, q, k, v, start, tree)
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])
     ap.add_argument("--budgets", type=int, nargs="+", default=[0, 16, 64, 256])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sweep", default="", help="JSON list of kernel cfg dicts, at 32K")
-    args = ap.parse_args()
-    print(jax.devices())
+    return ap
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = parser()
+    args = ap.parse_args(argv)
     rows = []
     for shape, ctx, budget in itertools.product(args.shapes, args.contexts, args.budgets):
         T = budget + 1
@@ -119,7 +113,7 @@ def main():
         err = float(jnp.abs(kern(*a).astype(jnp.float32) - ref(*a).astype(jnp.float32)).max())
         row = dict(shape=shape, context=ctx, budget=budget, T=T, bytes=nbytes, max_abs_err=err)
         for kind in ("kernel", "ref"):
-            t = timed(op(shape, kind, {}), a, args.iters, args.reps)
+            t = timed(op(shape, kind, {}), a, args.iters)
             row[f"{kind}_us"] = t * 1e6
             row[f"{kind}_GBps"] = nbytes / t / 1e9
             row[f"{kind}_frac_hbm"] = nbytes / t / HBM
@@ -133,7 +127,7 @@ def main():
                 continue
             q, k, v, start, tree, scale, nbytes = make(shape, 32768, budget + 1)
             try:
-                t = timed(op(shape, "kernel", cfg), (q, k, v, start, tree, scale), 10, 3)
+                t = timed(op(shape, "kernel", cfg), (q, k, v, start, tree, scale), 10)
                 r = dict(shape=shape, budget=budget, cfg=cfg, us=t * 1e6, frac=nbytes / t / HBM)
             except Exception as e:  # a config Triton rejects (e.g. out of shared memory)
                 r = dict(shape=shape, budget=budget, cfg=cfg, error=str(e)[:200])
@@ -147,10 +141,7 @@ def main():
             f"{r['kernel_GBps']:6.0f} {100 * r['kernel_frac_hbm']:5.1f} | {r['ref_us']:9.1f} "
             f"{r['ref_GBps']:6.0f} {100 * r['ref_frac_hbm']:5.1f} | {r['max_abs_err']:8.1e}"
         )
-    if args.out:
-        meta = dict(device=str(jax.devices()[0]), jax=jax.__version__, hbm_Bps=HBM)
-        with open(args.out, "w") as fh:
-            json.dump(dict(meta=meta, rows=rows, sweep=sweep), fh, indent=1)
+    return harness.write_result(args.out, {"rows": rows, "sweep": sweep}, argv)
 
 
 if __name__ == "__main__":

@@ -114,11 +114,14 @@ def cmd_convert(args) -> int:
 def cmd_bench(args) -> int:
     """Forward every argument to bench/roofline.py (it lives in the source checkout)."""
     import importlib.util
+    import sys
     from pathlib import Path
 
     path = Path(__file__).resolve().parent.parent / "bench" / "roofline.py"
     if not path.exists():
         raise SystemExit(f"kdj bench needs a kdj source checkout ({path} is missing)")
+    if str(path.parent) not in sys.path:  # the script imports bench/harness.py, as when run
+        sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location("kdj_bench_roofline", path)
     roofline = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(roofline)

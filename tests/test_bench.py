@@ -1,14 +1,19 @@
-"""bench/roofline.py runs end to end on a tiny MoE config on CPU (through `kdj bench`) and
-writes consistent JSON + markdown; no timing assertions."""
+"""bench/ on CPU: every suite's scripts run end to end on tiny configs and write consistent,
+stamped JSON; the suites name only scripts and arguments that exist. No timing assertions."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kdj.cli import main
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 TINY_MOE = """
 model_type: deepseek_v3
@@ -31,24 +36,98 @@ first_k_dense_replace: 1
 max_position_embeddings: 256
 """
 
+TINY_LLAMA = """
+model_type: llama
+vocab_size: 128
+hidden_size: 32
+intermediate_size: 64
+num_hidden_layers: 2
+num_attention_heads: 4
+num_key_value_heads: 2
+head_dim: 8
+max_position_embeddings: 256
+"""
+
 
 def load_bench(name: str):
-    """bench/<name>.py as a module, its directory on sys.path (its `from roofline import ...`,
-    as when it runs)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "bench" / f"{name}.py"
-    sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location(name, path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    """bench/<name>.py as a module, bench/ on sys.path (its `import harness`, as when run)."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while it loads
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_roofline_smoke(tmp_path):
-    cfg = tmp_path / "tiny-moe.yaml"
-    cfg.write_text(TINY_MOE)
+@pytest.fixture
+def tiny(tmp_path):
+    """{"moe": path, "llama": path} of the tiny configs."""
+    paths = {"moe": tmp_path / "tiny-moe.yaml", "llama": tmp_path / "tiny.yaml"}
+    paths["moe"].write_text(TINY_MOE)
+    paths["llama"].write_text(TINY_LLAMA)
+    return paths
+
+
+def assert_stamped(result: dict, argv: list[str]):
+    meta = result["meta"]
+    assert meta["git_sha"] and meta["git_sha"] != "unknown"  # the tests run in a checkout
+    assert meta["jax"] and meta["device"] and meta["devices"] >= 1
+    assert meta["argv"][1:] == argv
+
+
+# ------------------------------------------------------------------------------ the suites
+def test_every_suite_step_parses():
+    """Each suite step names a bench script (or a kdj subcommand) whose parser takes its
+    arguments, and writes under the suite's --out."""
+    run = load_bench("run")
+    assert run.main([]) == 0
+    for name, suite in run.SUITES.items():
+        assert suite.description and suite.steps, name
+        for step in suite.steps:
+            argv = [a.format(out="/o", prompts="p.json") for a in step.argv]
+            assert any(a.startswith("/o") for a in argv), (name, step.name)
+            if argv[0] == "kdj":
+                continue  # kdj's own CLI, tested with it
+            script = load_bench(Path(argv[0]).stem)
+            script.parser().parse_args(argv[1:])
+
+
+def test_run_dry_run_prints_without_running(tmp_path, capsys):
+    run = load_bench("run")
+    assert run.main(["decode", "--out", str(tmp_path / "o"), "--dry-run"]) == 0
+    assert "decode.py --models" in capsys.readouterr().out
+    assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------------------ harness
+def test_write_result_stamps_where_it_was_measured(tmp_path):
+    harness = load_bench("harness")
+    out = tmp_path / "sub" / "r.json"
+    back = harness.write_result(out, {"meta": {"model": "m"}, "rows": [1]}, ["--x", "1"])
+    assert json.loads(out.read_text()) == back
+    assert back["rows"] == [1] and back["meta"]["model"] == "m"
+    assert_stamped(back, ["--x", "1"])
+
+
+def test_drafter_config_published_shape_and_tiny_targets(tiny):
+    harness = load_bench("harness")
+    qwen = harness.model_config("qwen3-8b")
+    d = harness.drafter_config(qwen, "qwen3-8b")
+    assert (d.layers.num_layers, d.layers.num_heads, d.layers.intermediate_size) == (5, 32, 12288)
+    assert d.target_layer_ids == (1, 9, 17, 25, 33)  # the published taps
+    small = harness.model_config(str(tiny["llama"]))
+    d = harness.drafter_config(small, str(tiny["llama"]), num_layers=1, block_size=4)
+    assert d.layers.hidden_size == small.hidden_size and d.block_size == 4
+    with pytest.raises(FileNotFoundError, match="configs/models has"):
+        harness.model_config("no-such-model")
+    with pytest.raises(ValueError, match="unknown kernel case"):
+        harness.with_kernels(None, "no-such-case")
+
+
+# ------------------------------------------------------------------------------ moe-steps
+def test_roofline_smoke(tmp_path, tiny):
+    cfg = tiny["moe"]
     out = tmp_path / "roofline.json"
     args = ["--models", str(cfg), "--experts", "bf16", "int4", "--batches", "1", "4",
             "--tokens", "1", "--moe-shapes", "1x4", "--context", "8", "--repeats", "1",
@@ -56,6 +135,7 @@ def test_roofline_smoke(tmp_path):
             "--fit-cost", str(tmp_path / "cost.json")]  # fmt: skip
     assert main(["bench", *args]) == 0
     result = json.loads(out.read_text())
+    assert_stamped(result, args)
     rows = result["rows"]
     assert [(r["experts"], r["batch"]) for r in rows] == [
         ("bf16", 1), ("bf16", 4), ("int4", 1), ("int4", 4)
@@ -92,12 +172,12 @@ def test_roofline_smoke(tmp_path):
     )
 
 
+# ------------------------------------------------------------------------------ moe-kernels
 def test_expert_gather_smoke(tmp_path):
     """bench/expert_gather.py: every variant and a kernel tile setting run in bf16 and INT4
     and count the bytes of the touched experts as stored. On the CPU the "kernel" variant
     runs XLA's gather (rows say so); the tile rows and "grouped" run Pallas interpreted.
     (FP8's 128 x 128 blocks do not fit this tiny shape; tests/test_moe.py covers its kernel.)"""
-
     cfg = tmp_path / "tiny-moe.yaml"  # widths of 128: the grouped kernel's smallest INT4 K tile
     cfg.write_text(TINY_MOE.replace("hidden_size: 64", "hidden_size: 128").replace(
         "moe_intermediate_size: 32", "moe_intermediate_size: 128"))  # fmt: skip
@@ -107,11 +187,13 @@ def test_expert_gather_smoke(tmp_path):
             "--tiles", "8,32,4,2", "8,32,4,2,2", "--grouped-tiles", "32,128,32,4,2",
             "32,128,32,4,2,1", "--iters", "1", "--out", str(out)]  # fmt: skip
     rows = bench.main(args)
-    assert json.loads(out.read_text())["rows"] == rows
+    saved = json.loads(out.read_text())
+    assert saved["rows"] == rows and saved["meta"]["E"] == 16
+    assert_stamped(saved, args)
     assert all("error" not in r and r["us"] > 0 for r in rows), rows
-    assert not any(r["gemv_kernel"] for r in rows)  # no GPU here
+    assert all(r["backend"] == "cpu" for r in rows)  # XLA's gather for "kernel" here
     by = {(r["format"], r["variant"]): r for r in rows}
-    assert set(v for _, v in by) == {"kernel", "xla", "ragged", "grouped", "grouped-fused",
+    assert set(v for _, v in by) == {"kernel", "ragged", "grouped",
                                      "gemv_gate_up[8,32,4,2]", "gemv_gate_up[8,32,4,2,2]",
                                      "grouped_gate_up[32,128,32,4,2]",
                                      "grouped_gate_up[32,128,32,4,2,1]"}  # fmt: skip
@@ -123,7 +205,6 @@ def test_expert_gather_smoke(tmp_path):
 def test_dense_gemv_smoke(tmp_path):
     """bench/dense_gemv.py: every dense matrix of a tiny MoE's decode step, XLA's dot and the
     GEMV (interpreted here) with the split rule's and an extra K split, agree."""
-
     cfg = tmp_path / "tiny-moe.yaml"
     cfg.write_text(TINY_MOE.replace("hidden_size: 64", "hidden_size: 512"))
     bench = load_bench("dense_gemv")
@@ -144,33 +225,10 @@ def test_dense_gemv_smoke(tmp_path):
     assert {r["variant"] for r in rows if r["matrix"] == "mlp_down"} == {"xla", "gemv", "gemv/2"}
 
 
-def test_int4_gemv_parts_smoke(tmp_path):
-    """bench/int4_gemv_parts.py on a tiny MoE (interpreted): the kernel and the group-3d form
-    give the reference's numbers; the diagnostics (work taken out) run and are marked
-    inexact, and really are (a test that they measure less work, not the same)."""
-
-    cfg = tmp_path / "tiny-moe.yaml"  # K = 256 inputs: 32 words, 8 scale groups of 4 words
-    cfg.write_text(TINY_MOE.replace("hidden_size: 64", "hidden_size: 256"))
-    bench = load_bench("int4_gemv_parts")
-    out = tmp_path / "parts.json"
-    rows = bench.main(["--model", str(cfg), "--assignments", "3", "--tiles", "16,32,4",
-                       "--iters", "1", "--out", str(out)])  # fmt: skip
-    assert json.loads(out.read_text())["rows"] == rows
-    by = {r["variant"]: r for r in rows}
-    assert set(by) == {"kernel", "no-scale", "one-plane", "fp-only", "prefetch", "group-3d"}
-    assert all("error" not in r and r["us"] > 0 for r in rows), rows
-    assert all(by[v]["rel_err"] < 1e-5 for v in ("kernel", "prefetch", "group-3d"))
-    assert by["one-plane"]["rel_err"] > 0.1 and by["no-scale"]["rel_err"] > 0.1
-    assert by["fp-only"]["rel_err"] is None or by["fp-only"]["rel_err"] > 0.1  # raw words
-    assert [r["exact"] for r in rows] == [True, False, False, False, True, True]
-
-
 def test_tokamax_ragged_smoke(tmp_path):
     """bench/tokamax_ragged.py on a tiny MoE: XLA's ragged_dot and the grouped kernel
     (interpreted) agree; tokamax, never a kdj dependency, is a row saying why it did not run
     when it is not installed."""
-    import importlib.util
-
     cfg = tmp_path / "tiny-moe.yaml"
     cfg.write_text(TINY_MOE.replace("hidden_size: 64", "hidden_size: 128"))
     bench = load_bench("tokamax_ragged")
@@ -186,3 +244,165 @@ def test_tokamax_ragged_smoke(tmp_path):
             assert "No module named 'tokamax'" in r["error"]
         else:
             assert "error" not in r and r["rel_err"] < 0.02, r
+
+
+# ------------------------------------------------------------------------------ decode, pair
+def test_decode_smoke(tmp_path, tiny):
+    """bench/decode.py: AR and DDTree through kdj.generate on random prompts, the DDTree step
+    against AR's, and the AR step's bytes."""
+    bench = load_bench("decode")
+    out = tmp_path / "decode.json"
+    args = ["--models", str(tiny["llama"]), "--batches", "2", "--methods", "ar", "ddtree4",
+            "--prompt-len", "5", "--new", "6", "--repeats", "1", "--copy-gib",
+            "0.001", "--drafter-layers", "1", "--dtype", "float32", "--out", str(out)]  # fmt: skip
+    result = bench.main(args)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert_stamped(result, args)
+    rows = result["rows"]
+    assert [r["method"] for r in rows] == ["ar", "ddtree4"]
+    assert all(r["tokens_per_s"] > 0 and r["step_ms"] > 0 and r["steps"] > 0 for r in rows)
+    assert rows[0]["step_vs_ar"] == 1.0 and rows[0]["tau"] == 1.0
+    b = rows[0]["bytes_per_step"]
+    assert b["total"] == b["dense"] + b["experts"] + b["kv"] > 0 and b["experts"] == 0
+
+
+def test_adaptive_sweep_is_lossless_in_float32(tiny):
+    """bench/adaptive.py's sweep on a tiny random pair in float32: DDTree gives AR's greedy
+    tokens for every sequence; the row is summarised."""
+    harness, bench = load_bench("harness"), load_bench("adaptive")
+    tgt = harness.random_target(str(tiny["llama"]), dtype="float32")
+    dcfg = harness.drafter_config(tgt.cfg, "", num_layers=1, block_size=4)
+    drafter = harness.random_drafter(dcfg, "float32")
+    prompts = harness.random_prompts(tgt.cfg.vocab_size, 3, 6)
+    (row,) = bench.sweep(tgt, drafter, prompts, [2], ["ar", "ddtree4"], new=6, repeats=1,
+                         cost=None)  # fmt: skip
+    assert row["batch"] == 2 and set(row["methods"]) == {"ar", "ddtree4"}
+    assert all(m["identical_to_ar"] == 1.0 for m in row["methods"].values()), row
+    assert row["methods"]["ddtree4"]["tau"] >= 1.0 and row["best_fixed"] in row["methods"]
+
+
+# ------------------------------------------------------------------------------ profile
+def test_profile_step_cpu(tmp_path, tiny):
+    """bench/profile_step.py: a tiny Llama traced through kdj.generate (the decode loop's
+    kernels only), a speculative method, and the one-step forward; the trace parsed into
+    per-kernel times."""
+    bench = load_bench("profile_step")
+    cfg = tiny["llama"]
+    cases = [f"{cfg}:2:ar", f"{cfg}:1:step", f"{cfg}:2:ddtree4", f"{cfg}:2:ar:default"]
+    out = tmp_path / "profile.json"
+    args = ["--cases", *cases, "--context", "8", "--steps", "3", "--dtype", "float32",
+            "--out", str(out), "--trace-dir", str(tmp_path / "traces")]  # fmt: skip
+    bench.main(args)
+    result = json.loads(out.read_text())
+    assert_stamped(result, args)
+    assert [c["case"] for c in result["cases"]] == cases
+    for case in result["cases"]:
+        assert "error" not in case, case.get("error")
+        assert list(Path(case["trace_dir"]).rglob("perfetto_trace.json.gz"))
+        kernels = case["kernels"]
+        assert kernels and all(k["total_us"] > 0 and k["count"] > 0 for k in kernels)
+        assert case["kernels_per_step"] >= 10  # 2 layers of attention + MLP, at least
+        assert 0 < case["busy_ms_per_step"] <= case["kernel_ms_per_step"] + 1e-9
+        if case["method"] == "step":  # traced wall = the whole traced run: busy fits in it
+            assert case["busy_ms_per_step"] <= case["traced_wall_ms_per_step"]
+        assert case["wall_ms_per_step"] > 0 and case["compile_s"] > 0
+        cats = case["categories"]
+        assert sum(c["count"] for c in cats.values()) == sum(k["count"] for k in kernels)
+        assert sum(c["total_us"] for c in cats.values()) == pytest.approx(
+            case["kernel_ms_per_step"] * 1e3 * case["steps"]
+        )
+        assert "gemm/matmul" in cats  # XLA:CPU names its dot thunks too
+        assert not any(k["name"].startswith("while") for k in kernels)  # the loop's body counts
+        assert case["host_python_top_us"]
+    by = {c["case"]: c for c in result["cases"]}
+    # the decode loop's module alone: AR's prefill kernels are not counted in its steps
+    ar = by[f"{cfg}:2:ar"]
+    assert ar["steps"] == 3 and ar["kernel_case"] == "default"
+    assert by[f"{cfg}:2:ar:default"]["kernels_per_step"] == ar["kernels_per_step"]
+
+
+def test_profile_step_moe_layer_and_bad_cases(tmp_path, tiny):
+    """A tiny DeepSeek-V3 shape: the MoE layer alone (moe-T) traces and summarises; a case
+    with an unknown method or kernel case is a row saying so, and the run goes on."""
+    bench = load_bench("profile_step")
+    cfg = tiny["moe"]
+    cases = [f"{cfg}:4:moe-3", f"{cfg}:1:moe", f"{cfg}:1:ar:no-such-case"]
+    out = bench.main(["--cases", *cases, "--context", "8", "--steps", "2", "--dtype",
+                      "float32", "--trace-dir", str(tmp_path / "traces")])  # fmt: skip
+    moe, bad_method, bad_kernels = out["cases"]
+    assert "error" not in moe and moe["kernels"] and moe["busy_ms_per_step"] > 0
+    assert moe["method"] == "moe-3"
+    assert "moe-T" in bad_method["error"]
+    assert "no-such-case" in bad_kernels["error"]
+
+
+def test_kernel_cases_are_policies(tiny):
+    """Every kernel case is a target whose KernelPolicy has the case's fields (no module
+    patched); the target itself keeps its policy."""
+    pytest.importorskip("kdj.kernels")  # the policy of issue 22's kernel item
+    harness = load_bench("harness")
+    tgt = harness.random_target(str(tiny["moe"]), dtype="float32")
+    before = tgt.cfg.kernels
+    for case, fields in harness.KERNEL_CASES.items():
+        policy = harness.with_kernels(tgt, case).cfg.kernels
+        assert all(getattr(policy, k) == v for k, v in fields.items()), case
+    assert tgt.cfg.kernels == before
+
+
+def test_device_events_gpu_trace():
+    bench = load_bench("profile_step")
+    gpu, host = "/device:GPU:0", "/host:CPU"
+    loop = {"hlo_module": "jit_decode_loop"}
+    events = [
+        (gpu, "Stream #7(Compute)", "nvjet_hsh_64x8_gemm", 0.0, 5.0, {"hlo_op": "dot.1", **loop}),
+        (gpu, "Stream #7(Compute)", "loop_fusion_3", 6.0, 2.0, loop),
+        (gpu, "Stream #7(MemcpyD2H)", "MemcpyD2H", 9.0, 1.0, {}),
+        (gpu, "Stream #7", "loop_fusion_3", 6.0, 2.0, loop),  # the same kernel on a second line
+        (gpu, "XLA Ops", "dot.1", 0.0, 5.0, {}),  # derived from the kernels: not counted
+        (gpu, "Stream #7(Compute)", "prefill_gemm", 12.0, 3.0, {"hlo_module": "jit_prefill"}),
+        (host, "python", "$api.py:1 f", 0.0, 20.0, {}),
+        (host, "tf_XLAPjRtCpuClient/1", "fusion.9", 0.0, 1.0, {"hlo_op": "fusion.9"}),
+    ]
+    kernels = bench.device_events(events)
+    assert [k[0] for k in kernels] == [
+        "nvjet_hsh_64x8_gemm", "loop_fusion_3", "MemcpyD2H", "prefill_gemm"
+    ]  # fmt: skip
+    summary = bench.summarise(events, traced_s=20e-6, steps=2, module="decode")
+    assert summary["kernels_per_step"] == 1.0  # the copy and the prefill's GEMM left out
+    assert summary["busy_ms_per_step"] == pytest.approx(3.5e-3)
+    assert set(summary["categories"]) == {"gemm/matmul", "fusion/other"}
+    assert summary["kernels"][0]["hlo_op"] == "dot.1"
+    everything = bench.summarise(events, traced_s=20e-6, steps=2)
+    assert everything["kernels_per_step"] == 2.0
+    assert bench.category("input_scatter_fusion") == "gather/scatter/dus"
+    assert bench.category("ragged_dot_fusion") == "ragged_dot/grouped"
+    assert bench.category("void splitKreduce_kernel<32, 16>") == "gemm/matmul"
+    assert bench.category("loop_convert_fusion") == "fusion/other"
+
+
+# ------------------------------------------------------------------------------ attention
+def test_tree_attention_smoke(tmp_path, monkeypatch):
+    """bench/tree_attention.py on a tiny GQA shape (the kernel interpreted): the kernel agrees
+    with the XLA reference and every row is timed (tests/test_tree_attention.py covers MLA)."""
+    bench = load_bench("tree_attention")
+    monkeypatch.setitem(bench.SHAPES, "tiny-gqa", (4, 2, 16, 16, False))
+    out = tmp_path / "ta.json"
+    result = bench.main(["--shapes", "tiny-gqa", "--contexts", "40", "--budgets",
+                         "0", "3", "--iters", "1", "--out", str(out)])  # fmt: skip
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    rows = result["rows"]
+    assert [(r["shape"], r["budget"]) for r in rows] == [
+        ("tiny-gqa", 0), ("tiny-gqa", 3)
+    ]  # fmt: skip
+    for r in rows:
+        assert r["max_abs_err"] < 1e-2 and r["kernel_us"] > 0 and r["ref_us"] > 0
+
+
+# ------------------------------------------------------------------------------ acceptance
+def test_train_vs_generation_chain_replay():
+    """bench/train_vs_generation.py's replay: a chain at anchor p accepts lengths[p] drafts
+    and commits them plus the bonus token, then anchors past them."""
+    bench = load_bench("train_vs_generation")
+    assert bench.chain_tau(np.array([0, 0, 0, 0])) == 1.0
+    # anchor 0 accepts 2 (3 tokens), anchor 3 accepts 1 (2 tokens), anchor 5 is the last
+    assert bench.chain_tau(np.array([2, 9, 9, 1, 9, 0])) == pytest.approx(5 / 2)
