@@ -22,7 +22,12 @@ from safetensors.numpy import save_file
 from kdj.checkpoints.hf_safetensors import HFCheckpoint
 from kdj.checkpoints.loader import ALL, fill_params, mlp_targets
 from kdj.config import ModelConfig
-from kdj.models.drafter import Drafter, DrafterConfig, build_drafter, default_target_layer_ids
+from kdj.models.drafter import (
+    DFlashDrafter,
+    DrafterConfig,
+    build_drafter,
+    default_target_layer_ids,
+)
 
 ARCHITECTURE = "DFlashDraftModel"
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
@@ -124,7 +129,7 @@ def drafter_targets(name: str, x: np.ndarray):
     raise ValueError(f"unexpected tensor {name!r} in a DFlash drafter checkpoint")
 
 
-def load_drafter_checkpoint(path, dtype=jnp.bfloat16) -> Drafter:
+def load_drafter_checkpoint(path, dtype=jnp.bfloat16) -> DFlashDrafter:
     ckpt = HFCheckpoint(path)
     try:
         cfg = drafter_config_from_hf(json.loads(ckpt.config_path.read_text()))
@@ -137,7 +142,7 @@ def load_drafter_checkpoint(path, dtype=jnp.bfloat16) -> Drafter:
     )  # fmt: skip
 
 
-def save_drafter(drafter: Drafter, path) -> Path:
+def save_drafter(drafter: DFlashDrafter, path) -> Path:
     """Write `drafter` in the published DFlash format (float32 weights keep full precision)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
