@@ -46,6 +46,10 @@ class Executables:
             self._programs.popitem(last=False)
         return program
 
+    def compiled(self, fn) -> list:
+        """The programs compiled for `fn`, least recently used first (e.g. to dump HLO)."""
+        return [program for key, program in self._programs.items() if key[0] is fn]
+
     def clear(self) -> None:
         """Drop every compiled program (benchmarks switching kernels, tests patching code)."""
         self._programs.clear()
