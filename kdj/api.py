@@ -80,6 +80,34 @@ def generate(
     fixes the KV-cache capacity (default: the longest prompt + max_new_tokens, rounded up).
     """
     # ---- arguments: every check of the caller's options, before anything is compiled
+    opts = check_options(target, drafter, method, block_size, tree_budget, menu, calibration,
+                         temperature, top_p, mesh)  # fmt: skip
+    tokenizer = tokenizer or target.tokenizer
+    batch = pack(target, prompts, tokenizer, max_new_tokens, stop_tokens, cache_size)
+    # ---- plan: which steps the loop composes
+    if opts.method != "ar" and target.sharding is not None:
+        drafter = drafter.on(target.sharding)  # the drafter lives on its target's mesh
+    plan, prior, shapes = make_plan(opts, target, drafter, batch, temperature == 0.0, cost)
+    # ---- run
+    sampling = (jax.random.key(seed), jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p))
+    res = execute(target, drafter if plan.speculative else None, batch, plan, sampling,
+                  opts.calibration, prior)  # fmt: skip
+    # ---- output
+    return assemble(opts, shapes, batch, res, tokenizer)
+
+
+class Options(NamedTuple):
+    """generate's options, checked."""
+
+    method: str  # "ar" also for "auto" without a drafter
+    block_size: int | None
+    tree_budget: int | None
+    calibration: float
+    shapes: tuple  # the menu as parsed (before pricing); () for "ar"
+
+
+def check_options(target, drafter, method, block_size, tree_budget, menu, calibration,
+                  temperature, top_p, mesh) -> Options:  # fmt: skip
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
     method = "ar" if method == "auto" and drafter is None else method
@@ -95,6 +123,7 @@ def generate(
         raise ValueError(f"tree_budget applies to method 'ddtree', not {method!r}")
     if menu is not None and method != "auto":
         raise ValueError(f"menu applies to method 'auto' with a drafter, not {method!r}")
+    shapes = ()
     if speculative:
         calibration = drafter.calibration if calibration is None else calibration
         if not calibration > 0:
@@ -104,43 +133,24 @@ def generate(
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1 (got {temperature}, {top_p})")
     if mesh is not None and as_sharding(mesh) != target.sharding:
         raise ValueError("the target lives on another mesh: load it with load_target(mesh=...)")
-    tokenizer = tokenizer or target.tokenizer
-    batch = pack(target, prompts, tokenizer, max_new_tokens, stop_tokens, cache_size)
-    # ---- plan: which steps the loop composes
-    greedy, max_steps = temperature == 0.0, max(batch.max_new)
-    plan, prior = Plan(greedy, max_steps), [0.0]
-    if speculative:
-        drafter = drafter.on(target.sharding) if target.sharding is not None else drafter
-        cost = auto.step_cost(cost, target, drafter) if len(shapes) > 1 else None
-        if method == "auto" and len(shapes) > 1:
-            context = float(np.mean(batch.lens) + np.mean(batch.max_new) / 2)  # decode's mean
-            priors = (drafter.prior_acceptance, drafter.entry_acceptance)
-            shapes = auto.paying_menu(shapes, cost, len(batch.lens), context, *priors)
-        plain = all(s.kind == "none" for s in shapes)  # auto where no draft size can pay
-        if not plain:
-            plan = Plan(greedy, max_steps, block_size, shapes, cost)
-            prior = auto.priors(shapes, drafter)
-    # ---- run
-    key = jax.random.key(seed)
-    sampling = (key, jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p))
-    res = execute(target, drafter if plan.speculative else None, batch, plan, sampling,
-                  calibration or 1.0, prior)  # fmt: skip
-    # ---- output
-    B = batch.B
-    n_out = res.n_out[:B]
-    toks = [res.out[b, : n_out[b]].tolist() for b in range(B)]
-    texts = None
-    if tokenizer is not None:
-        texts = [tokenizer.decode([t for t in seq if t not in batch.stops]) for seq in toks]
-    stats = decode_stats(method, res, B)
-    if speculative:
-        stats.update(speculative_stats(method, res, B, shapes, block_size))
-    if method == "ddtree":
-        sizes = [int(s) for row in res.stats.sizes[:B] for s in row if s > 0]
-        stats["tree_budget"] = tree_budget
-        stats["mean_tree_size"] = float(np.mean(sizes)) if sizes else float("nan")
-        stats["mean_accepted_depth"] = stats["mean_acceptance"] - 1
-    return GenerateOutput(tokens=toks, texts=texts, stats=stats)
+    return Options(method, block_size, tree_budget, calibration or 1.0, shapes)
+
+
+def make_plan(opts: Options, target, drafter, batch, greedy: bool, cost):
+    """(Plan, auto's priors, the menu left after pricing). auto prices its menu for this
+    batch first; with no draft shape left it runs plain decoding's plan."""
+    max_steps, shapes = max(batch.max_new), opts.shapes
+    if opts.method == "ar":
+        return Plan(greedy, max_steps), [0.0], shapes
+    cost = auto.step_cost(cost, target, drafter) if len(shapes) > 1 else None
+    if opts.method == "auto" and len(shapes) > 1:
+        context = float(np.mean(batch.lens) + np.mean(batch.max_new) / 2)  # decode's mean
+        priors = (drafter.prior_acceptance, drafter.entry_acceptance)
+        shapes = auto.paying_menu(shapes, cost, len(batch.lens), context, *priors)
+    if all(s.kind == "none" for s in shapes):
+        return Plan(greedy, max_steps), [0.0], shapes
+    plan = Plan(greedy, max_steps, opts.block_size, shapes, cost)
+    return plan, auto.priors(shapes, drafter), shapes
 
 
 def pack(target, prompts, tokenizer, max_new_tokens, stop_tokens, cache_size) -> Batch:
@@ -221,6 +231,24 @@ def execute(target, drafter, batch: Batch, plan: Plan, sampling, calibration, pr
     t3 = time.perf_counter()
     times = {"compile_s": t1 - t0, "prefill_s": t2 - t1, "decode_s": t3 - t2}
     return Run(out.out, out.n_out, int(out.steps), out.stats, times)
+
+
+def assemble(opts: Options, shapes, batch: Batch, res: Run, tokenizer) -> GenerateOutput:
+    """Tokens per prompt (padding rows dropped), texts, and stats."""
+    B, method = batch.B, opts.method
+    toks = [res.out[b, : res.n_out[b]].tolist() for b in range(B)]
+    texts = None
+    if tokenizer is not None:
+        texts = [tokenizer.decode([t for t in seq if t not in batch.stops]) for seq in toks]
+    stats = decode_stats(method, res, B)
+    if method != "ar":
+        stats.update(speculative_stats(method, res, B, shapes, opts.block_size))
+    if method == "ddtree":
+        sizes = [int(s) for row in res.stats.sizes[:B] for s in row if s > 0]
+        stats["tree_budget"] = opts.tree_budget
+        stats["mean_tree_size"] = float(np.mean(sizes)) if sizes else float("nan")
+        stats["mean_accepted_depth"] = stats["mean_acceptance"] - 1
+    return GenerateOutput(tokens=toks, texts=texts, stats=stats)
 
 
 def decode_stats(method, res: Run, B: int) -> dict:
