@@ -22,8 +22,17 @@ from kdj.decode import auto
 from kdj.decode import tree as trees
 from kdj.decode.sampling import sample
 from kdj.decode.state import DecodeState, Plan, Prefilled, init_state
-from kdj.decode.step import accept, commit, draft, features, flush, limits, plain_step, propose
-from kdj.decode.step import verify as verify_pass
+from kdj.decode.step import (
+    accept,
+    commit,
+    draft,
+    features,
+    flush,
+    limits,
+    plain_step,
+    propose,
+    verify,
+)
 
 scope = jax.named_scope
 
@@ -93,7 +102,7 @@ def check(shape, target, taps, plan, lp, full, tcache, last, limit, key, tempera
     with scope("propose"):
         tree = propose(shape, lp, full)
     with scope("verify"):
-        verified = verify_pass(target, tcache, last, tree, taps)
+        verified = verify(target, tcache, last, tree, taps)
     with scope("accept"):
         acc = accept(tree, verified, limit, key, temperature, top_p, block_size=plan.block_size,
                      greedy=plan.greedy)  # fmt: skip
