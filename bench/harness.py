@@ -115,29 +115,19 @@ def with_kernels(tgt: kdj.Target, case: str) -> kdj.Target:
         raise ValueError(f"unknown kernel case {case!r}; known: {sorted(KERNEL_CASES)}")
     if not KERNEL_CASES[case]:
         return tgt
-    if not hasattr(tgt, "with_kernels"):
-        raise NotImplementedError(f"kernel case {case!r} needs Target.with_kernels (a kdj "
-                                  "with kdj.kernels.KernelPolicy)")  # fmt: skip
     return tgt.with_kernels(dataclasses.replace(tgt.cfg.kernels, **KERNEL_CASES[case]))
 
 
 def expert_kernels() -> dict:
-    """Keyword arguments giving kdj's expert functions this backend's kernel policy (empty
-    with a kdj from before kdj.kernels, whose expert functions choose by backend)."""
-    try:
-        from kdj.kernels import KernelPolicy
-    except ImportError:
-        return {}
+    """Keyword arguments giving kdj's expert functions this backend's kernel policy."""
+    from kdj.kernels import KernelPolicy
+
     return {"kernels": KernelPolicy.default(jax.default_backend())}
 
 
 def clear_compiled(tgt: kdj.Target) -> None:
-    """Drop the target's compiled executables, so that the next call's compile is timed.
-    (A kdj whose target does not own its executable cache has nothing public to clear: a
-    shape compiled earlier in the process then reports a compile_s near 0.)"""
-    cache = getattr(tgt, "executables", None)
-    if cache is not None:
-        cache.clear()
+    """Drop the target's compiled executables, so that the next call's compile is timed."""
+    tgt.executables.clear()
 
 
 # ------------------------------------------------------------------------------ timing

@@ -50,11 +50,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from kdj.cost import StepCost  # noqa: E402
-
-try:  # auto's controller: kdj.decode.auto (kdj.decode.speculative before issue 22's split)
-    from kdj.decode import auto as controller  # noqa: E402
-except ImportError:
-    from kdj.decode import speculative as controller  # noqa: E402
+from kdj.decode import auto as controller  # noqa: E402
 from kdj.decode.tree import DraftShape  # noqa: E402
 from kdj.models.drafter import DrafterConfig, build_drafter  # noqa: E402
 

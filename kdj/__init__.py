@@ -1,7 +1,9 @@
 """kdj: speculative decoding (DFlash, DDTree) for MoE and dense LLMs in JAX + Flax."""
 
-from kdj.api import Drafter, Target, forward, generate, load_drafter, load_target
+from kdj.api import forward, generate
 from kdj.config import ModelConfig
+from kdj.handles import Drafter, Target
+from kdj.loading import load_drafter, load_target
 from kdj.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [

@@ -197,7 +197,7 @@ def cmd_calibrate(args) -> int:
     if args.save:
         path = Path(args.drafter)
         if not path.exists():  # a built-in name
-            path = kdj.api.ASSETS / args.drafter
+            path = kdj.loading.ASSETS / args.drafter
         print(f"wrote {calibrate.save(report, path)}")
     return 0
 

@@ -67,8 +67,5 @@ def _fresh_compilations():
 
     import jax
 
-    import kdj.api
-
-    kdj.api._EXECUTABLES.clear()
-    jax.clear_caches()
+    jax.clear_caches()  # compiled programs of each target go with it (target.executables)
     gc.collect()

@@ -1,7 +1,7 @@
 """Small random Hugging Face models saved with save_pretrained: real-format test checkpoints.
 
 Each builder returns (torch reference model in eval mode, checkpoint dir). FP8 and INT4 variants
-quantise the saved tensors with kdj.checkpoints.quant and load the DEQUANTISED values back
+quantise the saved tensors with kdj.quant and load the DEQUANTISED values back
 into the torch model, so the reference computes exactly what the checkpoint encodes.
 """
 
@@ -27,7 +27,7 @@ from transformers import (
 )
 
 from kdj.checkpoints.hf_safetensors import HFCheckpoint
-from kdj.checkpoints.quant import dequant_fp8, dequant_int4, quant_fp8, quant_int4
+from kdj.quant import dequant_fp8, dequant_int4, quant_fp8, quant_int4
 
 DENSE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip

@@ -14,7 +14,7 @@ import pytest
 import kdj
 from kdj.config import ModelConfig, load_yaml
 from kdj.cost import StepCost
-from kdj.decode import speculative
+from kdj.decode import auto
 from kdj.decode import tree as trees
 from kdj.decode.tree import DraftShape
 from tests.hf_models import build
@@ -128,10 +128,10 @@ def test_the_menu_margin_shrinks_where_both_steps_were_measured():
     tau = 1.07 * 2.0  # a tree step costs two plain steps (no draft pass priced here)
     rows = [(16, 1, 100.0, 1.0), (16, 17, 100.0, 2.0)]
     priced = dataclasses.replace(base, residuals=((16, 1, 1.0), (16, 17, 2.0)))
-    assert speculative.MEASURED_MARGIN < 0.07 < speculative.MENU_MARGIN
-    assert speculative.paying_menu(shapes, base.with_residuals(rows), 16, 100.0, tau) == shapes
+    assert auto.MEASURED_MARGIN < 0.07 < auto.MENU_MARGIN
+    assert auto.paying_menu(shapes, base.with_residuals(rows), 16, 100.0, tau) == shapes
     # the same prices from the model alone at a batch without measurements: dropped
-    assert speculative.paying_menu(shapes, priced, 8, 100.0, tau) == shapes[:1]
+    assert auto.paying_menu(shapes, priced, 8, 100.0, tau) == shapes[:1]
 
 
 def test_fit_with_drafted_steps_recovers_the_draft_terms():
@@ -168,14 +168,14 @@ def test_controller_prefers_plain_decoding_when_verify_tokens_are_dear():
     base = StepCost.for_config(moonlight())
     dear = dataclasses.replace(base, fixed_s=0.0, per_byte_s=0.0, per_flop_s=1.0)
     free = dataclasses.replace(base, fixed_s=1.0, per_byte_s=0.0, per_flop_s=0.0)
-    gains = speculative.expected(shapes, lp, full, 1.0)  # [S, B]
-    assert shapes[int(speculative.choose(shapes, gains, active, dear, 100.0))].kind == "none"
-    i = speculative.choose(shapes, gains, active, free, 100.0)
+    gains = auto.expected(shapes, lp, full, 1.0)  # [S, B]
+    assert shapes[int(auto.choose(shapes, gains, active, dear, 100.0))].kind == "none"
+    i = auto.choose(shapes, gains, active, free, 100.0)
     assert shapes[int(i)] == DraftShape("tree", 12)  # same cost: the most expected tokens
     total = gains.sum(axis=1)
     assert float(total[2]) >= float(total[1]) >= float(total[0]) == 2.0
     # a hotter calibration spreads the drafter's mass: it forecasts fewer accepted tokens
-    hot = speculative.expected(shapes, lp, full, 2.0)
+    hot = auto.expected(shapes, lp, full, 2.0)
     assert float(hot[2].sum()) < float(total[2])
 
 
@@ -198,11 +198,11 @@ def test_draft_cost_and_the_decision_to_skip_the_drafter():
     active = jnp.ones((2,), bool)
     sure = jnp.array([[1.0, 1.0], [5.0, 5.0], [9.0, 9.0]])  # every draft accepted
     hopeless = jnp.array([[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]])
-    assert bool(speculative.drafting_pays(shapes, sure, active, cost, 100.0))
-    assert not bool(speculative.drafting_pays(shapes, hopeless, active, cost, 100.0))
+    assert bool(auto.drafting_pays(shapes, sure, active, cost, 100.0))
+    assert not bool(auto.drafting_pays(shapes, hopeless, active, cost, 100.0))
     # compute-bound: 13 verified tokens cost 13x one; 9 expected tokens do not pay for it
     dear = dataclasses.replace(cost, fixed_s=0.0, per_byte_s=0.0, per_flop_s=1.0)
-    assert not bool(speculative.drafting_pays(shapes, sure, active, dear, 100.0))
+    assert not bool(auto.drafting_pays(shapes, sure, active, dear, 100.0))
 
 
 def test_forecast_bias_correction_turns_a_judged_loss_into_drafting():
@@ -211,10 +211,10 @@ def test_forecast_bias_correction_turns_a_judged_loss_into_drafting():
     step) is judged on what it delivers. The plain entry (gain 1) is never scaled."""
     shapes = tuple(DraftShape(*s) for s in (("none",), ("tree", 16)))
     gains = jnp.array([[1.0], [1.71]])
-    prior = jnp.full((2,), speculative.HITS_PRIOR)
-    np.testing.assert_allclose(speculative.corrected(gains, prior), gains)  # ratio 1 at start
+    prior = jnp.full((2,), auto.HITS_PRIOR)
+    np.testing.assert_allclose(auto.corrected(gains, prior), gains)  # ratio 1 at start
     hits = prior + jnp.array([0.84 * 40, 0.71 * 40])  # 40 drafted steps
-    fixed = speculative.corrected(gains, hits)
+    fixed = auto.corrected(gains, hits)
     assert float(fixed[0, 0]) == 1.0
     np.testing.assert_allclose(float(fixed[1, 0]), 1 + 0.71 * float(hits[0] / hits[1]), rtol=1e-6)
     # a cost where a drafted step is 1.77 plain steps (batch 1 on the H200): raw says skip,
@@ -223,8 +223,8 @@ def test_forecast_bias_correction_turns_a_judged_loss_into_drafting():
                                per_flop_s=0.0, draft_fixed_s=0.77)  # fmt: skip
     active = jnp.ones((1,), bool)
     assert float(cost.draft_seconds(1, 100.0, 16)) == pytest.approx(0.77)
-    assert not bool(speculative.drafting_pays(shapes, gains, active, cost, 100.0))
-    assert bool(speculative.drafting_pays(shapes, fixed, active, cost, 100.0))
+    assert not bool(auto.drafting_pays(shapes, gains, active, cost, 100.0))
+    assert bool(auto.drafting_pays(shapes, fixed, active, cost, 100.0))
 
 
 def test_hysteresis_keeps_drafting_just_below_break_even():
@@ -235,11 +235,11 @@ def test_hysteresis_keeps_drafting_just_below_break_even():
     cost = dataclasses.replace(StepCost.for_config(moonlight()), fixed_s=1.0, per_byte_s=0.0,
                                per_flop_s=0.0, draft_fixed_s=0.77)  # fmt: skip
     active = jnp.ones((1,), bool)
-    h = speculative.HYSTERESIS
+    h = auto.HYSTERESIS
     for tau, strict, slack in ((1.80, True, True), (1.70, False, True), (1.50, False, False)):
         gains = jnp.array([[1.0], [tau]])
-        assert bool(speculative.drafting_pays(shapes, gains, active, cost, 100.0)) == strict
-        assert bool(speculative.drafting_pays(shapes, gains, active, cost, 100.0, h)) == slack
+        assert bool(auto.drafting_pays(shapes, gains, active, cost, 100.0)) == strict
+        assert bool(auto.drafting_pays(shapes, gains, active, cost, 100.0, h)) == slack
 
 
 def test_the_menu_keeps_only_entries_that_can_pay_at_the_batch_size():
@@ -252,17 +252,17 @@ def test_the_menu_keeps_only_entries_that_can_pay_at_the_batch_size():
                                draft_fixed_s=0.5, per_node_s=1e-3)  # fmt: skip
     # a drafted step costs 1.5 + nodes/1000 plain steps (the draft pass builds the largest
     # tree left) and its tau must beat that by the factor m
-    m = 1 + speculative.MENU_MARGIN
-    assert speculative.paying_menu(shapes, flat, 1, 100.0, m * 1.54) == shapes[:3]
-    assert speculative.paying_menu(shapes, flat, 1, 100.0, m * 1.58) == shapes
-    assert speculative.paying_menu(shapes, flat, 1, 100.0, m * 1.49) == shapes[:1]  # too thin
+    m = 1 + auto.MENU_MARGIN
+    assert auto.paying_menu(shapes, flat, 1, 100.0, m * 1.54) == shapes[:3]
+    assert auto.paying_menu(shapes, flat, 1, 100.0, m * 1.58) == shapes
+    assert auto.paying_menu(shapes, flat, 1, 100.0, m * 1.49) == shapes[:1]  # too thin
     # each entry priced at its own measured tau where the calibration has one
     measured = {"tree16": m * 1.54, "chain3": m * 1.505}
-    assert speculative.paying_menu(shapes, flat, 1, 100.0, 1.4, measured) == shapes[::2]
+    assert auto.paying_menu(shapes, flat, 1, 100.0, 1.4, measured) == shapes[::2]
     # entries without a measurement of their own: the smallest larger one of their kind
     # bounds them (a chain or tree holds the smaller ones as its first nodes), else the prior
     known = {"chain15": 1.46, "tree16": 1.96, "tree64": 2.23}
-    taus = [speculative.entry_tau(DraftShape(*s), 1.9, known)
+    taus = [auto.entry_tau(DraftShape(*s), 1.9, known)
             for s in (("none",), ("chain", 7), ("chain", 15), ("tree", 8), ("tree", 32),
                       ("tree", 128))]  # fmt: skip
     assert taus == [1.0, 1.46, 1.46, 1.96, 2.23, 1.9]
@@ -270,16 +270,16 @@ def test_the_menu_keeps_only_entries_that_can_pay_at_the_batch_size():
     # (cost 1.564) and tree16 (1.516) stays once the trees are gone (1.5), and one that loses
     # while tree64 wins goes (tree16, bounded by tree64's tau, stays)
     chain = {"chain3": m * 1.505}
-    assert speculative.paying_menu(shapes, flat, 1, 100.0, 1.4, chain) == shapes[:2]
+    assert auto.paying_menu(shapes, flat, 1, 100.0, 1.4, chain) == shapes[:2]
     both = {"chain3": m * 1.505, "tree64": m * 1.57}
-    assert speculative.paying_menu(shapes, flat, 1, 100.0, 1.4, both) == shapes[:1] + shapes[2:]
+    assert auto.paying_menu(shapes, flat, 1, 100.0, 1.4, both) == shapes[:1] + shapes[2:]
     # compute-bound: 4 verified tokens cost 4x one; even the chain needs 4+ tokens per step
     dear = dataclasses.replace(base, fixed_s=0.0, per_byte_s=0.0, per_flop_s=1.0)
-    assert speculative.paying_menu(shapes, dear, 256, 100.0, 3.0) == shapes[:1]
-    assert speculative.paying_menu(shapes, dear, 256, 100.0, 5.0) == shapes[:2]
+    assert auto.paying_menu(shapes, dear, 256, 100.0, 3.0) == shapes[:1]
+    assert auto.paying_menu(shapes, dear, 256, 100.0, 5.0) == shapes[:2]
     # nothing known, or a menu without "none" (the user asked to draft): nothing dropped
-    assert speculative.paying_menu(shapes, dear, 256, 100.0, 0.0) == shapes
-    assert speculative.paying_menu(shapes[1:], dear, 256, 100.0, 3.0) == shapes[1:]
+    assert auto.paying_menu(shapes, dear, 256, 100.0, 0.0) == shapes
+    assert auto.paying_menu(shapes[1:], dear, 256, 100.0, 3.0) == shapes[1:]
 
 
 # ------------------------------------------------------------------ lossless while switching
@@ -304,13 +304,11 @@ def scrambled_pays(shapes, gains, active, cost, context, slack=0.0):
 
 @pytest.fixture
 def switching(monkeypatch):
-    monkeypatch.setattr(speculative, "choose", scrambled_choice)
-    monkeypatch.setattr(speculative, "drafting_pays", scrambled_pays)
-    monkeypatch.setattr(speculative, "PROBE_MAX", 4)  # short plain runs: many drafted steps
-    kdj.api._EXECUTABLES.clear()
-    jax.clear_caches()
+    monkeypatch.setattr(auto, "choose", scrambled_choice)
+    monkeypatch.setattr(auto, "drafting_pays", scrambled_pays)
+    monkeypatch.setattr(auto, "PROBE_MAX", 4)  # short plain runs: many drafted steps
+    jax.clear_caches()  # each test loads a fresh target, whose executables start empty
     yield
-    kdj.api._EXECUTABLES.clear()
     jax.clear_caches()
 
 
@@ -366,9 +364,7 @@ def test_auto_default_menu_and_bad_menus(tmp_path):
     picks = sk.stats["draft_choices"]
     assert sk.tokens == ar40.tokens and len(picks) == 39
     drafted = [i for i, p in enumerate(picks) if p != "skip"]
-    assert drafted[0] == 0 and all(
-        b - a > speculative.PROBE_MIN for a, b in zip(drafted, drafted[1:])
-    )
+    assert drafted[0] == 0 and all(b - a > auto.PROBE_MIN for a, b in zip(drafted, drafted[1:]))
     # a prior that says drafting cannot pay: not even the first step drafts
     doubtful = dataclasses.replace(drafter, prior_acceptance=1.2)
     pr = kdj.generate(target, prompts, drafter=doubtful, max_new_tokens=40, stop_tokens=[],

@@ -118,7 +118,8 @@ def test_rollback_by_length(target):
     import jax.numpy as jnp
 
     from kdj.cache import init_cache
-    from kdj.decode import autoregressive as ar
+    from kdj.decode import loop
+    from kdj.decode.state import Plan, Prefilled
 
     prompt, junk = [3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5]
     clean = kdj.generate(target, [prompt], method="ar", max_new_tokens=8, stop_tokens=[])
@@ -126,18 +127,19 @@ def test_rollback_by_length(target):
     cache = init_cache(cfg, 1, 64, target.dtype)
     tokens = jnp.asarray([prompt + junk], jnp.int32)
     args = (key, jnp.float32(1.0), jnp.float32(1.0))
-    _, cache = ar.prefill_and_sample(
-        target.graphdef, target.state, tokens, jnp.asarray([len(prompt + junk)]), cache, *args,
-        greedy=True,
-    )  # fmt: skip
+    cache = loop.prefill(
+        target.graphdef, target.state, None, None, tokens, jnp.asarray([len(prompt + junk)]),
+        cache, None, *args, greedy=True,
+    ).tcache  # fmt: skip
     cache = cache.with_lengths(jnp.asarray([len(prompt) - 1]))  # keep prompt[:-1] only
     # re-feed the prompt's last token on top of the rolled-back cache, then decode
     logits, cache, _ = target.model(tokens[:, len(prompt) - 1 : len(prompt)],
                                     cache.lengths, cache)  # fmt: skip
     cache = cache.with_lengths(cache.lengths + 1)
     first = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
-    out, n, _, _ = ar.decode_loop(
-        target.graphdef, target.state, cache, first, jnp.asarray([8]), jnp.asarray([[-1]]), *args,
-        greedy=True, max_steps=8,
-    )  # fmt: skip
+    out, n, _, _ = loop.decode(
+        target.graphdef, target.state, None, None, Prefilled(first, cache, None),
+        jnp.asarray([8]), jnp.asarray([[-1]]), *args, jnp.float32(1.0), jnp.zeros((1,)),
+        plan=Plan(greedy=True, max_steps=8),
+    ).output()  # fmt: skip
     assert np.asarray(out)[0, : int(n[0])].tolist() == clean.tokens[0]

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kdj.checkpoints.quant import quant_fp8_stacked, quant_int4_stacked
 from kdj.kernels import KernelPolicy
 from kdj.models import deepseek, layers
 from kdj.models.deepseek import ExpertWeight, expert_swiglu, expert_swiglu_gathered
 from kdj.pallas import expert_gemv, expert_grouped
+from kdj.quant import quant_fp8_stacked, quant_int4_stacked
 
 XLA = KernelPolicy()  # the reference everywhere
 GPU = KernelPolicy.default("gpu")  # every Pallas kernel, as on one GPU (interpreted here)
@@ -273,7 +273,7 @@ def test_grouped_kernel_matches_the_dequantised_weights(fmt, n):
     x = jnp.asarray(rng.standard_normal((n, K)), jnp.bfloat16)
     ids = jnp.asarray(rng.integers(0, E, n), jnp.int32)
     got = expert_grouped.expert_grouped(x, ids, value, scale, fmt, interpret=True)
-    from kdj.checkpoints.quant import dequant_stacked
+    from kdj.quant import dequant_stacked
 
     wd = dequant_stacked(fmt, value[ids], None if scale is None else scale[ids], jnp.bfloat16)
     want = jnp.einsum("nk,nkf->nf", x.astype(jnp.float32), wd.astype(jnp.float32))

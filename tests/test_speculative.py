@@ -206,12 +206,12 @@ def test_sampling_is_lossless_and_the_test_catches_a_wrong_bonus(tiny, monkeypat
     assert sum(hist[1:]) > 500, f"too few accepted drafts to test acceptance: {hist}"
     assert chi_square_p_ok(good, probs)
     monkeypatch.setattr(trees, "accept_tree", broken_accept_tree)
-    kdj.api._EXECUTABLES.clear()
+    target.executables.clear()
     jax.clear_caches()  # jit caches traces: make it re-trace with the broken rule
     try:
         bad, _ = sampled_triples(target, drafter, prompt, 6000, seed=0, spec=spec)
     finally:
-        kdj.api._EXECUTABLES.clear()
+        target.executables.clear()
         jax.clear_caches()
     assert not chi_square_p_ok(bad, probs)
 

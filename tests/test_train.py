@@ -814,7 +814,7 @@ def test_taps_come_in_the_order_asked(target):
     """The target returns tapped hidden states in target_layer_ids order (a drafter's fc takes
     its features in that order, as the reference concatenates them), whatever the layer
     order; an id outside the target's layers is a clear error, not a missing feature."""
-    from kdj.api import _forward
+    from kdj.models.transformer import full_sequence as _forward
 
     tokens = jnp.asarray([[1, 5, 7, 2]], jnp.int32)
     _, fwd = _forward(target.graphdef, target.state, tokens, taps=(0, 2))

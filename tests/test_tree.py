@@ -95,13 +95,16 @@ def test_tree_verify_and_compaction_equal_plain_decoding_of_the_path(target):
 
     from kdj.cache import init_cache
     from kdj.decode import tree as trees
-    from kdj.decode.autoregressive import prefill
+    from kdj.decode.loop import prefill
 
     model, V, S = target.model, target.cfg.vocab_size, 32
     prompt = jnp.asarray([[3, 1, 4, 1, 5]], jnp.int32)
     L = jnp.asarray([5], jnp.int32)
     last = jnp.asarray([9], jnp.int32)
-    _, cache = prefill(model, prompt, L, init_cache(target.cfg, 1, S, jnp.float32))
+    key, one = jax.random.key(0), jnp.float32(1.0)
+    cache = prefill(target.graphdef, target.state, None, None, prompt, L,
+                    init_cache(target.cfg, 1, S, jnp.float32), None, key, one, one,
+                    greedy=True).tcache  # fmt: skip
     lp = jax.nn.log_softmax(jax.random.normal(jax.random.key(0), (1, 3, V)) * 2, axis=-1)
     tree = trees.build_trees(lp, 10)
     tokens, positions, mask, valid = trees.verify_inputs(tree, last, L, S)

@@ -23,7 +23,12 @@ from kdj.checkpoints import staging
 from kdj.checkpoints.hf_safetensors import HFCheckpoint
 from kdj.checkpoints.loader import ALL, fill_params, mlp_targets
 from kdj.config import ModelConfig
-from kdj.models.drafter import Drafter, DrafterConfig, build_drafter, default_target_layer_ids
+from kdj.models.drafter import (
+    DFlashDrafter,
+    DrafterConfig,
+    build_drafter,
+    default_target_layer_ids,
+)
 
 ARCHITECTURE = "DFlashDraftModel"
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
@@ -125,7 +130,7 @@ def drafter_targets(name: str, x: np.ndarray):
     raise ValueError(f"unexpected tensor {name!r} in a DFlash drafter checkpoint")
 
 
-def load_drafter_checkpoint(path, dtype=jnp.bfloat16) -> Drafter:
+def load_drafter_checkpoint(path, dtype=jnp.bfloat16) -> DFlashDrafter:
     ckpt = HFCheckpoint(path)
     try:
         cfg = drafter_config_from_hf(json.loads(ckpt.config_path.read_text()))
@@ -142,7 +147,7 @@ CALIBRATION = "calibration.json"  # kdj.train.calibrate.FILE
 FILES = ("model.safetensors", CALIBRATION, "config.json")  # what a drafter save writes
 
 
-def save_drafter(drafter: Drafter, path, *, calibration: dict | None = None,
+def save_drafter(drafter: DFlashDrafter, path, *, calibration: dict | None = None,
                  overwrite: bool = False) -> Path:  # fmt: skip
     """Write `drafter` in the published DFlash format (float32 weights keep full precision),
     with its `calibration` ({"temperature", "realised_acceptance", "realised_by_entry"}, as
@@ -158,7 +163,7 @@ def save_drafter(drafter: Drafter, path, *, calibration: dict | None = None,
     return path
 
 
-def _write_drafter(drafter: Drafter, path: Path, calibration: dict | None) -> None:
+def _write_drafter(drafter: DFlashDrafter, path: Path, calibration: dict | None) -> None:
     tensors = {
         "fc.weight": drafter.fc.kernel[...].T,
         "hidden_norm.weight": drafter.hidden_norm.weight[...],

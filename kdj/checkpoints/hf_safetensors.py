@@ -17,7 +17,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from kdj.checkpoints.quant import FP8_BLOCK, dequant_fp8, dequant_int4
+from kdj.quant import FP8_BLOCK, dequant_fp8, dequant_int4
 
 DTYPES = {
     "F64": np.float64,

@@ -6,7 +6,7 @@ module maps those names onto kdj's parameter tree (transposing torch [out, in] l
 parameter was filled with the right shape.
 
 `load_hf(..., quantized_experts=True)` keeps a checkpoint's routed experts as stored (INT4
-packed or FP8 block-scaled, see kdj/checkpoints/quant.py): they are transposed into kdj's
+packed or FP8 block-scaled, see kdj/quant.py): they are transposed into kdj's
 layout but never dequantised; everything else is dequantised as usual.
 """
 
@@ -23,10 +23,10 @@ from flax import nnx
 from tqdm import tqdm
 
 from kdj.checkpoints.hf_safetensors import AUX_SUFFIXES, HFCheckpoint
-from kdj.checkpoints.quant import dequant_fp8, dequant_int4
 from kdj.config import ModelConfig
 from kdj.models.deepseek import quantize_experts
 from kdj.models.transformer import Transformer, abstract_model
+from kdj.quant import dequant_fp8, dequant_int4
 from kdj.sharding import ShardingRules, check_fits, named_sharding, single_device_rules
 
 _MLA = {"q_proj": "q_proj", "q_a_proj": "q_a", "q_b_proj": "q_b", "kv_a_proj_with_mqa": "kv_a",

@@ -11,13 +11,6 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from kdj import cache as kvc
-from kdj.checkpoints.quant import (
-    FP8_BLOCK,
-    INT4_GROUP,
-    dequant_stacked,
-    quant_fp8_stacked,
-    quant_int4_stacked,
-)
 from kdj.config import ModelConfig
 from kdj.kernels import KernelPolicy
 from kdj.models.layers import (
@@ -34,6 +27,13 @@ from kdj.models.layers import (
     zeros,
 )
 from kdj.pallas import expert_gemv, expert_grouped
+from kdj.quant import (
+    FP8_BLOCK,
+    INT4_GROUP,
+    dequant_stacked,
+    quant_fp8_stacked,
+    quant_int4_stacked,
+)
 
 
 class MLAAttention(nnx.Module):
@@ -125,7 +125,7 @@ def route(x, router, bias, cfg: ModelConfig):
 )
 @dataclasses.dataclass(frozen=True)
 class ExpertWeight:
-    """A stacked expert matrix [E, in, *out] as it sits in HBM (kdj/checkpoints/quant.py):
+    """A stacked expert matrix [E, in, *out] as it sits in HBM (kdj/quant.py):
     fmt "float" (value is the weights, scale None), "int4" (value int32 [E, in/8, *out] + group
     scales) or "fp8" (value float8_e4m3fn + 128 x 128 block scales). A pytree, so it passes
     through jit and shard_map; value and scale split over the same logical axes."""

@@ -49,7 +49,7 @@ class DrafterConfig:
     def __post_init__(self):
         # The target taps each layer once: a repeated id would give fewer features than fc
         # takes. (Whether the ids exist in the target is checked when a pair is formed,
-        # kdj.api: the target may not be the one this config was made for.)
+        # kdj.handles.check_pair: the target may not be the one this config was made for.)
         ids, L = tuple(self.target_layer_ids), self.num_target_layers
         if len(set(ids)) != len(ids):
             raise ValueError(f"target_layer_ids {ids} repeat a layer (a {L}-layer target is too "
@@ -146,7 +146,7 @@ class DrafterLayer(nnx.Module):
                        kernels=cfg.kernels)  # fmt: skip
 
 
-class Drafter(nnx.Module):
+class DFlashDrafter(nnx.Module):
     def __init__(self, cfg: DrafterConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
         lc = cfg.layers
         D = lc.hidden_size
@@ -185,5 +185,5 @@ class Drafter(nnx.Module):
         return self.norm(x)
 
 
-def build_drafter(cfg: DrafterConfig, dtype=jnp.bfloat16, seed: int = 0) -> Drafter:
-    return Drafter(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed))
+def build_drafter(cfg: DrafterConfig, dtype=jnp.bfloat16, seed: int = 0) -> DFlashDrafter:
+    return DFlashDrafter(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed))

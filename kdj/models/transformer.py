@@ -11,11 +11,13 @@ buffers that XLA updates in place.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kdj.cache import KVCache
+from kdj.cache import KVCache, init_cache
 from kdj.config import ModelConfig
 from kdj.models.deepseek import MLAAttention, MoE
 from kdj.models.layers import MLP, Linear, RMSNorm, causal_tree, param
@@ -110,3 +112,14 @@ def build_model(cfg: ModelConfig, dtype=jnp.bfloat16, seed: int = 0) -> Transfor
 def abstract_model(cfg: ModelConfig, dtype=jnp.bfloat16) -> Transformer:
     """Shapes and dtypes only (no memory): the skeleton a checkpoint is loaded into."""
     return nnx.eval_shape(lambda: build_model(cfg, dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "taps"))
+def full_sequence(graphdef, state, tokens, taps=()):
+    """Full-sequence pass from an empty cache: (logits [B, T, V], taps [B, T, K, D] or None).
+    For parity checks and drafter training; decoding goes through kdj/decode/."""
+    model = nnx.merge(graphdef, state)
+    B, T = tokens.shape
+    cache = init_cache(model.cfg, B, T, model.embed[...].dtype)
+    logits, _, tapped = model(tokens, jnp.zeros((B,), jnp.int32), cache, taps=taps)
+    return logits, tapped

@@ -251,7 +251,7 @@ def expert_gemv(x, ids, value, scale=None, fmt: str = "float", *, splits: int = 
 
 def reference(x, ids, value, scale=None, fmt: str = "float"):
     """The XLA oracle: dequantise the selected experts, then one matvec each. [n, F] f32."""
-    from kdj.checkpoints.quant import dequant_stacked
+    from kdj.quant import dequant_stacked
 
     w = dequant_stacked(fmt, value[ids], None if scale is None else scale[ids], jnp.float32)
     return jnp.einsum("nk,nkf->nf", x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST)

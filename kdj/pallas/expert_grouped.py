@@ -2,7 +2,7 @@
 assignments, reading each touched expert's weights once per block of its rows.
 
     x [n, K] (one row per token-expert assignment), ids [n] int32, W [E, K, F] as held
-    (kdj/checkpoints/quant.py: "float", "int4" or "fp8", as in expert_gemv.py)
+    (kdj/quant.py: "float", "int4" or "fp8", as in expert_gemv.py)
     ->  y [n, F] float32.
 
 Layout. The assignments are sorted by expert and each expert's rows padded to a multiple of

@@ -22,16 +22,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kdj.models.drafter import Drafter, DrafterAttention
+from kdj.models.drafter import DFlashDrafter, DrafterAttention
 from kdj.models.layers import NEG_INF, apply_rope, rope_frequencies, softmax_scale
+from kdj.models.transformer import full_sequence  # its logits are dead code under jit
 
 
 def target_features(target_graphdef, target_state, tokens, layer_ids) -> jax.Array:
     """Frozen target pass: tokens [B, S] -> drafter context features [B, S, K*D] (the OUTPUT
     of each decoder layer in layer_ids, concatenated), gradient stopped."""
-    from kdj.api import _forward  # the project's own full-sequence pass; its logits are DCE'd
-
-    _, taps = _forward(target_graphdef, target_state, tokens, taps=tuple(layer_ids))
+    _, taps = full_sequence(target_graphdef, target_state, tokens, taps=tuple(layer_ids))
     B, S, K, D = taps.shape
     return jax.lax.stop_gradient(taps.reshape(B, S, K * D))
 
@@ -73,7 +72,7 @@ def block_attention(attn: DrafterAttention, h, positions, anchors, ctx_k, ctx_v,
     return attn.o(out.reshape(B, N, b, H * hd))
 
 
-def drafter_blocks(drafter: Drafter, embed, feats, tokens, anchors) -> jax.Array:
+def drafter_blocks(drafter: DFlashDrafter, embed, feats, tokens, anchors) -> jax.Array:
     """The training pass of the drafter: final hidden states [B, N, b, D] (after the final
     norm) of N blocks per sequence.
 
@@ -119,7 +118,7 @@ def block_labels(tokens, loss_mask, anchors, anchor_ok, block_size: int):
 
 
 def block_loss(
-    drafter: Drafter, target_model, feats, tokens, loss_mask, anchors, anchor_ok, gamma: float
+    drafter: DFlashDrafter, target_model, feats, tokens, loss_mask, anchors, anchor_ok, gamma: float
 ):
     """Weighted cross-entropy of the drafter's blocks. Returns (loss, metrics) where metrics
     hold `acc` (slot-1 accuracy) and `tau` (mean accepted drafts + 1 per block under greedy

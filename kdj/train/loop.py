@@ -27,6 +27,8 @@ import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
+from kdj.handles import Drafter
+from kdj.loading import load_drafter
 from kdj.models.drafter import DrafterConfig, build_drafter, default_target_layer_ids
 from kdj.train.config import DrafterShape, OptimConfig, TrainConfig
 from kdj.train.data import settings_diff
@@ -92,8 +94,6 @@ def load_init_params(source, drafter_cfg: DrafterConfig, grow: bool = False) -> 
     (layers, block size, mask token, feature layers, widths, ...); a checkpoint that leaves a
     field unset (num_target_layers -1, vocab_size 0) is not held to it. grow: the checkpoint
     may have fewer layers than `drafter_cfg` (see grown_params)."""
-    from kdj.api import load_drafter
-
     loaded = load_drafter(source, dtype=jnp.float32)
     have, want = _shape_fields(loaded.cfg), _shape_fields(drafter_cfg)
     unset = {"num_target_layers": -1, "vocab_size": 0}
@@ -302,8 +302,6 @@ class DrafterTrainer:
     # ------------------------------------------------------------------ export
     def drafter(self, dtype=None):
         """The current weights as a kdj.Drafter (cast to `dtype`, default the target's)."""
-        from kdj.api import Drafter
-
         dtype = jnp.dtype(dtype or self.target.dtype)
         state = jax.tree.map(lambda p: p.astype(dtype), self.params)
         model = nnx.merge(self.graphdef, state)

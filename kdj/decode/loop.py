@@ -1,0 +1,177 @@
+"""Prefill, then the whole generation as ONE on-device `lax.while_loop` over steps composed
+from kdj/decode/step.py:
+
+    AR      plain_step
+    DFlash  draft -> propose(chain) -> verify -> accept -> commit
+    DDTree  draft -> propose(tree)  -> verify -> accept -> commit
+    auto    the same drafted step, the menu entry picked per step (`lax.switch`); while
+            drafting is not forecast to pay, runs of plain_step that queue the drafter's
+            features, then flush (kdj/decode/auto.py decides)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kdj.decode import auto
+from kdj.decode import tree as trees
+from kdj.decode.sampling import sample
+from kdj.decode.state import DecodeState, Plan, Prefilled, init_state
+from kdj.decode.step import (
+    accept,
+    commit,
+    draft,
+    features,
+    flush,
+    limits,
+    plain_step,
+    propose,
+    verify,
+)
+
+scope = jax.named_scope
+
+
+@functools.partial(
+    jax.jit, static_argnames=("tgraph", "dgraph", "greedy"), donate_argnames=("tcache", "dcache")
+)
+def prefill(tgraph, tstate, dgraph, dstate, tokens, prompt_lens, tcache, dcache, key, temperature,
+            top_p, *, greedy) -> Prefilled:  # fmt: skip
+    """Target pass over the right-padded prompts tokens [B, P] (tapping the drafter's feature
+    layers when there is one, dgraph not None), the first new token, and the drafter's context
+    for every prompt position."""
+    target = nnx.merge(tgraph, tstate)
+    drafter = None if dgraph is None else nnx.merge(dgraph, dstate)
+    start = jnp.zeros((tokens.shape[0],), jnp.int32)
+    taps = () if drafter is None else drafter.cfg.target_layer_ids
+    logits, tcache, tapped = target(
+        tokens, start, tcache, taps=taps, logits_at=(prompt_lens - 1)[:, None]
+    )
+    first = sample(logits[:, 0], jax.random.fold_in(key, 0), temperature, top_p, greedy)
+    if drafter is not None:
+        dcache = drafter.add_context(features(tapped), start, dcache).with_lengths(prompt_lens)
+    return Prefilled(first, tcache.with_lengths(prompt_lens), dcache)
+
+
+@functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "plan"), donate_argnames=("pre",))
+def decode(tgraph, tstate, dgraph, dstate, pre: Prefilled, max_new, stop_ids, key, temperature,
+           top_p, calibration, prior, *, plan: Plan) -> DecodeState:  # fmt: skip
+    """Generate until every sequence hit a stop token or its own max_new [B]. prior
+    [len(plan.menu)]: auto's tokens per step of each entry before any draft (0 = unknown).
+    Returns the final state (`.output()` is what the host reads)."""
+    target = nnx.merge(tgraph, tstate)
+    drafter = None if dgraph is None else nnx.merge(dgraph, dstate)
+    width = 0 if drafter is None else target.cfg.hidden_size * len(drafter.cfg.target_layer_ids)
+    state = init_state(pre, max_new, stop_ids, key, temperature, top_p, calibration, prior, plan,
+                       width)  # fmt: skip
+    return run(target, drafter, state, plan)
+
+
+def running(state: DecodeState, plan: Plan):
+    return (state.step < plan.max_steps) & ~jnp.all(state.done)
+
+
+def run(target, drafter, state: DecodeState, plan: Plan) -> DecodeState:
+    """The one loop: which body it runs is the plan's method."""
+    if not plan.speculative:
+
+        def body(s):
+            with scope("plain_step"):
+                return plain_step(target, s, plan.greedy)
+
+    elif not plan.can_skip:
+
+        def body(s):
+            return drafted_step(target, drafter, s, plan)
+
+    else:
+
+        def body(s):
+            return auto_runs(target, drafter, s, plan)
+
+    return jax.lax.while_loop(lambda s: running(s, plan), body, state)
+
+
+def check(shape, target, taps, plan, lp, full, tcache, last, limit, key, temperature, top_p):
+    """propose -> verify -> accept for one menu entry (one branch of auto's switch)."""
+    with scope("propose"):
+        tree = propose(shape, lp, full)
+    with scope("verify"):
+        verified = verify(target, tcache, last, tree, taps)
+    with scope("accept"):
+        acc = accept(tree, verified, limit, key, temperature, top_p, block_size=plan.block_size,
+                     greedy=plan.greedy)  # fmt: skip
+    # compaction stays outside the branch: inside one, XLA copies the whole cache every step
+    return verified.tcache, acc
+
+
+def drafted_step(target, drafter, state: DecodeState, plan: Plan) -> DecodeState:
+    """draft -> propose -> verify -> accept -> commit, plus the step's records."""
+    i, key, active, limit = state.step, state.step_key, state.active, limits(state)
+    L = state.tcache.lengths  # before the step
+    context = auto.mean_context(L, active)
+    with scope("draft"):
+        lp, state = draft(target, drafter, state, plan.block_size)
+    with scope("propose"):  # one build of the menu's largest tree: smaller ones are its nodes
+        built = auto.largest_tree(plan.menu)
+        full = trees.build_trees(lp, built) if built else None
+    with scope("forecast"):
+        raw = auto.expected(plan.menu, lp, full, state.calibration)  # [S, B]
+    taps = drafter.cfg.target_layer_ids
+    args = (lp, full, state.tcache, state.last, limit, key, state.temperature, state.top_p)
+    if plan.adaptive:
+        gains = auto.corrected(raw, state.auto.hits)
+        choice = auto.choose(plan.menu, gains, active, plan.cost, context)
+        branches = [functools.partial(check, s, target, taps, plan) for s in plan.menu]
+        tcache, acc = jax.lax.switch(choice, branches, *args)
+    else:
+        choice = jnp.int32(0)
+        tcache, acc = check(plan.menu[0], target, taps, plan, *args)
+    with scope("commit"):
+        state, count = commit(state, tcache, acc)
+        expect = jnp.where(active, raw[choice], 0)
+        size = jnp.where(active, acc.size, 0)
+        state = dataclasses.replace(state, stats=state.stats.record(i, count, size, choice, expect))
+    if plan.adaptive:
+        with scope("control"):
+            ctrl = auto.observe(state.auto, plan, raw, gains, choice, acc.a, active, limit, L,
+                                state.tcache.capacity)  # fmt: skip
+            if plan.can_skip:
+                ctrl = auto.decide(ctrl, plan, active, context)
+            state = dataclasses.replace(state, auto=ctrl)
+    return state
+
+
+def skip_step(target, drafter, state: DecodeState, plan: Plan) -> DecodeState:
+    """auto's plain step: the drafter is skipped; its features are queued."""
+    i, active = state.step, state.active
+    with scope("plain_step"):
+        state = plain_step(target, state, plan.greedy, drafter.cfg.target_layer_ids)
+    ones = active.astype(jnp.int32)
+    stats = state.stats.record(i, ones, 0, len(plan.menu), active.astype(jnp.float32))
+    return dataclasses.replace(state, stats=stats, auto=auto.skipped(state.auto))
+
+
+def auto_runs(target, drafter, state: DecodeState, plan: Plan) -> DecodeState:
+    """A run of plain steps (none while drafting pays), the queue flushed into the drafter's
+    context, then drafted steps while they are due. Inner loops, not branches: loop-carried
+    caches update in place, while a lax.cond around the target pass makes XLA copy them."""
+    room = state.pending.shape[1] - jnp.max(state.n_pend)
+    state = dataclasses.replace(state, auto=auto.plain_run(state.auto, room))
+    state = jax.lax.while_loop(
+        lambda s: running(s, plan) & (s.auto.left > 0),
+        lambda s: skip_step(target, drafter, s, plan),
+        state,
+    )
+    with scope("flush"):
+        state = flush(drafter, state)
+    return jax.lax.while_loop(
+        lambda s: running(s, plan) & auto.draft_due(s.auto),
+        lambda s: drafted_step(target, drafter, s, plan),
+        state,
+    )

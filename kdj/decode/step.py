@@ -1,0 +1,167 @@
+"""The pure pieces of a decode step, each a function of the state (kdj/decode/state.py):
+
+    plain_step  target over `last` -> one sampled token per sequence (AR, auto's skips)
+    draft       drafter context += pending features; block [last, MASK x (k - 1)] -> lp
+    propose     lp -> the tree to verify: DFlash's argmax chain or DDTree's top-B prefixes
+    verify      target over [last, nodes] at slots L .., positions L + depth (tree mask)
+    accept      walk from the root along children equal to the target's token -> a, bonus
+    commit      compact the accepted K/V, emit a drafts + bonus, L += a + 1, queue features
+
+Rejected entries stay in both caches past L and are overwritten later (rollback by length).
+kdj/decode/loop.py composes these into AR, DFlash, DDTree and auto.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kdj.decode import tree as trees
+from kdj.decode.sampling import sample
+from kdj.decode.state import DecodeState, is_stop
+
+
+class Verified(NamedTuple):
+    """The target's verify pass over root + nodes (T = 1 + N)."""
+
+    tokens: jax.Array  # [B, T] int32 root, then the nodes
+    valid: jax.Array  # [B, N] bool nodes that fit in the cache
+    logits: jax.Array  # [B, T, V] float32
+    features: jax.Array | None  # [B, T, F] drafter features of every verified token
+    tcache: object  # KVCache with all T written at slots L .. L + T - 1
+
+
+class Accepted(NamedTuple):
+    """The accepted path of a verified tree (k = block size)."""
+
+    path: jax.Array  # [B, k] verify indices, path[:, 0] = 0 the root; repeats past a
+    a: jax.Array  # [B] int32 drafts accepted
+    bonus: jax.Array  # [B] int32 the target's token after the path
+    tokens: jax.Array  # [B, k - 1] int32 accepted drafts (valid up to a)
+    features: jax.Array | None  # [B, k, F] features of root + accepted nodes
+    size: jax.Array  # [B] int32 nodes verified
+
+
+def features(taps):
+    """[B, T, K, D] tapped target states -> [B, T, K * D] drafter context features."""
+    B, T, K, D = taps.shape
+    return taps.reshape(B, T, K * D)
+
+
+def limits(state: DecodeState):
+    """Drafts each sequence may accept this step [B]: slots L .. L + a must exist in the
+    cache and a + 1 tokens fit in its budget; 0 once finished."""
+    L, S = state.tcache.lengths, state.tcache.capacity
+    room = jnp.minimum(S - 1 - L, state.max_new - state.n - 1)
+    return jnp.where(state.active, jnp.maximum(room, 0), 0)
+
+
+def plain_step(target, state: DecodeState, greedy: bool, taps=()) -> DecodeState:
+    """One token per active sequence. With `taps` (a drafter's feature layers), queue the
+    features of `last` for the drafter's context (taken in by `flush`)."""
+    L, active = state.tcache.lengths, state.active
+    logits, tcache, tapped = target(state.last[:, None], L, state.tcache, taps=taps)
+    nxt = sample(logits[:, 0], state.step_key, state.temperature, state.top_p, greedy)
+    B, N = state.out.shape
+    out = state.out.at[jnp.arange(B), jnp.where(active, state.n, N)].set(nxt, mode="drop")
+    n = state.n + active
+    done = state.done | (active & (is_stop(nxt, state.stop_ids) | (n >= state.max_new)))
+    state = dataclasses.replace(
+        state, tcache=tcache.with_lengths(L + active), last=jnp.where(active, nxt, state.last),
+        out=out, n=n, done=done, step=state.step + 1,
+    )  # fmt: skip
+    if taps:
+        feats = features(tapped)[:, 0].astype(state.pending.dtype)
+        rows = jnp.arange(B)
+        pending = state.pending.at[rows, state.n_pend].set(feats, mode="drop")
+        n_pend = jnp.where(active, state.n_pend + 1, 0)
+        state = dataclasses.replace(state, pending=pending, n_pend=n_pend)
+    return state
+
+
+def flush(drafter, state: DecodeState) -> DecodeState:
+    """The drafter's context takes in every queued feature."""
+    L = state.tcache.lengths
+    dcache = drafter.add_context(state.pending, L - state.n_pend, state.dcache)
+    return dataclasses.replace(
+        state, dcache=dcache.with_lengths(L), n_pend=jnp.zeros_like(state.n_pend)
+    )
+
+
+def draft(target, drafter, state: DecodeState, k: int):
+    """Take in the pending context (at most k features: a drafted step queues a + 1), then
+    run the block at slots L .. L + k - 1. Returns (lp [B, k - 1, V] float32 draft
+    log-probabilities of depths 1 .. k - 1, state with the drafter's cache written)."""
+    B, L = state.last.shape[0], state.dcache.lengths
+    dcache = drafter.add_context(state.pending[:, :k], L - state.n_pend, state.dcache)
+    block = jnp.full((B, k), drafter.cfg.mask_token_id, jnp.int32).at[:, 0].set(state.last)
+    positions = L[:, None] + jnp.arange(k, dtype=jnp.int32)
+    h = drafter(target.embed[...][block], positions, dcache)
+    lp = jax.nn.log_softmax(target.logits(h[:, 1:]), axis=-1)
+    return lp, dataclasses.replace(state, dcache=dcache)
+
+
+def propose(shape: trees.DraftShape, lp, full=None):
+    """The tree a step verifies for `shape` (a build_trees dict, [B, N] arrays); `full`: a
+    tree of at least shape.size nodes to slice instead of building again."""
+    return trees.draft_tree(shape, lp, full)
+
+
+def verify(target, tcache, last, tree, taps=()) -> Verified:
+    """One target pass over root + the tree's nodes; nodes past the cache end are dropped."""
+    tokens, positions, mask, valid = trees.verify_inputs(tree, last, tcache.lengths,
+                                                         tcache.capacity)  # fmt: skip
+    logits, tcache, tapped = target(
+        tokens, tcache.lengths, tcache, positions=positions, tree=mask, taps=taps
+    )
+    feats = None if tapped is None else features(tapped)
+    return Verified(tokens, valid, logits, feats, tcache)
+
+
+def accept(tree, verified: Verified, limit, key, temperature, top_p, *, block_size: int,
+           greedy: bool) -> Accepted:  # fmt: skip
+    """The longest path along which every node equals the target's own token (argmax or a
+    sample: lossless either way), at most `limit` [B] drafts, plus the bonus token."""
+    path, a, bonus = trees.accept_tree(
+        tree, verified.valid, verified.logits, key, temperature, top_p, limit,
+        max_depth=block_size - 1, greedy=greedy,
+    )  # fmt: skip
+    tokens = jnp.take_along_axis(verified.tokens, path[:, 1:], axis=1)
+    feats = verified.features
+    if feats is not None:
+        feats = jnp.take_along_axis(feats, path[:, :, None], axis=1)
+    return Accepted(path, a, bonus, tokens, feats, verified.valid.sum(1))
+
+
+def commit(state: DecodeState, tcache, acc: Accepted):
+    """Compact the accepted nodes' K/V to slots L + 1 .., emit a drafts + bonus (cut after a
+    stop token), advance both caches by a + 1 and queue the accepted features for the next
+    draft. tcache: the verified cache (lengths still L). Returns (state, count [B] tokens
+    emitted)."""
+    tcache = trees.compact(tcache, acc.path, acc.a)
+    active, L = state.active, state.tcache.lengths
+    B, N = state.out.shape
+    k = acc.path.shape[1]
+    j = jnp.arange(k)
+    emitted = jnp.where(
+        j[None] < acc.a[:, None], jnp.pad(acc.tokens, ((0, 0), (0, 1))), acc.bonus[:, None]
+    )
+    valid = j[None] <= acc.a[:, None]
+    stop_at = valid & jnp.any(emitted[..., None] == state.stop_ids[:, None, :], axis=-1)
+    count = jnp.where(stop_at.any(1), jnp.argmax(stop_at, axis=1) + 1, acc.a + 1)
+    count = jnp.where(active, count, 0)
+    cols = jnp.where(j[None] < count[:, None], state.n[:, None] + j[None], N)
+    out = state.out.at[jnp.arange(B)[:, None], cols].set(emitted, mode="drop")
+    n = state.n + count
+    done = state.done | (active & (stop_at.any(1) | (n >= state.max_new)))
+    L_new = jnp.where(active, L + acc.a + 1, L)
+    pending = state.pending.at[:, :k].set(acc.features.astype(state.pending.dtype))
+    state = dataclasses.replace(
+        state, tcache=tcache.with_lengths(L_new), dcache=state.dcache.with_lengths(L_new),
+        last=jnp.where(active, acc.bonus, state.last), pending=pending,
+        n_pend=jnp.where(active, acc.a + 1, 0), out=out, n=n, done=done, step=state.step + 1,
+    )  # fmt: skip
+    return state, count

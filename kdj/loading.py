@@ -1,0 +1,103 @@
+"""Loading: `load_target` and `load_drafter` from checkpoints or built-in names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flax import nnx
+
+from kdj import arguments
+from kdj.checkpoints.dflash import load_drafter_checkpoint
+from kdj.checkpoints.gguf import read_gguf, smollm2_gguf_path
+from kdj.checkpoints.hf_safetensors import HFCheckpoint
+from kdj.checkpoints.loader import load_hf, load_params
+from kdj.checkpoints.orbax import is_orbax_dir, restore
+from kdj.config import ModelConfig
+from kdj.handles import Drafter, Target, check_pair
+from kdj.sharding.apply import as_sharding, mark_experts
+from kdj.tokenizer import load_tokenizer
+from kdj.train.calibrate import load as load_calibration
+
+BUILTIN_TARGETS = ("smollm2-135m-instruct",)
+# Drafters shipped inside the package (kdj/assets/<name>/, published DFlash format).
+ASSETS = Path(__file__).resolve().parent / "assets"
+BUILTIN_DRAFTERS = ("smollm2-135m-dflash-b16",)
+
+
+def load_target(
+    source, dtype="bfloat16", mesh=None, quantized_experts=False, kernels=None
+) -> Target:
+    """Load a target from an HF safetensors dir, a .gguf file, a `kdj convert` Orbax dir, or a
+    built-in name ("smollm2-135m-instruct").
+
+    quantized_experts: keep an HF checkpoint's INT4 (Kimi K2.5/K2.6) or FP8 block-scaled
+    (DeepSeek-V3, Kimi K2) routed experts quantised in device memory and dequantise inside the
+    expert compute, only for the experts the tokens route to (about 4x fewer expert bytes than
+    bf16 for INT4, 2x for FP8). Default: dequantise everything to `dtype` at load.
+    kernels: which kernel each op runs (kdj.kernels.KernelPolicy); default: the measured
+    choice for this backend and for whether this model is sharded."""
+    dtype = arguments.dtype(dtype)
+    sharding = as_sharding(mesh)
+    mesh_kw = {} if sharding is None else {"mesh": sharding.mesh, "rules": sharding.rules}
+    src = str(source)
+    if src in BUILTIN_TARGETS:
+        source = smollm2_gguf_path()
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"target {src!r} not found: give an HF checkpoint dir, a .gguf file, a kdj convert dir"
+            f" or one of the built-in names {BUILTIN_TARGETS}"
+        )
+    tokenizer = None
+    if quantized_experts and (path.is_file() or is_orbax_dir(path)):
+        raise ValueError("quantized_experts applies to HF safetensors checkpoint dirs only")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path}: a target file must be .gguf (or pass a checkpoint dir)")
+        hf_cfg, tensors = read_gguf(path)
+        cfg = ModelConfig.from_hf(hf_cfg)
+        model = load_params(cfg, tensors, dtype=dtype, desc=f"loading {path.name}", **mesh_kw)
+        tokenizer = load_tokenizer(path)
+    elif is_orbax_dir(path):
+        model = restore(path, dtype=dtype, **mesh_kw)
+        cfg = model.cfg
+    else:
+        ckpt = HFCheckpoint(path)
+        cfg = ModelConfig.from_json(ckpt.config_path)
+        model = load_hf(
+            ckpt, cfg, dtype=dtype, quantized_experts=quantized_experts,
+            desc=f"loading {path.name}", **mesh_kw,
+        )  # fmt: skip
+    if tokenizer is None:
+        try:
+            tokenizer = load_tokenizer(path)
+        except (FileNotFoundError, ValueError):
+            tokenizer = None  # weights without a tokenizer are fine for token-id prompts
+    mark_experts(model, sharding)
+    graphdef, state = nnx.split(model)
+    target = Target(model.cfg, graphdef, state, dtype, path.name, tokenizer, sharding)
+    return target.with_kernels(kernels)
+
+
+def load_drafter(source, target: Target | None = None, dtype=None, mesh=None) -> Drafter:
+    """Load a DFlash drafter (published checkpoint format: a directory, or a built-in name from
+    BUILTIN_DRAFTERS). With `target`, check the pair fits (hidden size, vocabulary, feature
+    layers) and use the target's dtype."""
+    if target is not None:
+        arguments.loaded(target, Target, "target", "kdj.load_target")
+    dtype = arguments.dtype(dtype or (target.dtype if target is not None else "bfloat16"))
+    path = Path(source)
+    if str(source) in BUILTIN_DRAFTERS and not path.exists():
+        path = ASSETS / str(source)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"drafter {str(source)!r} not found (give a DFlash checkpoint dir or one of the "
+            f"built-in names {BUILTIN_DRAFTERS})"
+        )
+    if mesh is None and target is not None:
+        mesh = target.sharding  # the drafter lives on its target's mesh
+    drafter = Drafter.from_model(load_drafter_checkpoint(path, dtype), path.name, mesh)
+    drafter.calibration, drafter.prior_acceptance, drafter.entry_acceptance = load_calibration(path)
+    if target is not None:
+        check_pair(target, drafter)
+    return drafter
