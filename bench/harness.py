@@ -33,7 +33,7 @@ from kdj.cache import init_cache
 from kdj.config import ModelConfig, load_yaml
 from kdj.models.drafter import DrafterConfig, build_drafter
 from kdj.train.config import DrafterShape
-from kdj.train.loop import drafter_config_for
+from kdj.train.trainer import drafter_config_for
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs" / "models"

@@ -28,7 +28,7 @@ from kdj.train.forward import (
     sample_anchors,
     target_features,
 )
-from kdj.train.loop import DrafterTrainer, drafter_config_for
+from kdj.train.trainer import DrafterTrainer, drafter_config_for
 
 VOCAB, BLOCK = 32, 4
 
@@ -414,7 +414,7 @@ def test_training_configs_parse_and_continue_fits_the_shipped_drafter():
     drafter it starts from (checked against the GGUF's config; no weights of the target)."""
     from kdj.checkpoints.gguf import read_gguf, smollm2_gguf_path
     from kdj.train.config import TrainConfig
-    from kdj.train.loop import load_init_params
+    from kdj.train.trainer import load_init_params
 
     first = TrainConfig.from_yaml("configs/train/smollm2-b16.yaml")
     cfg = TrainConfig.from_yaml("configs/train/smollm2-b16-continue.yaml")

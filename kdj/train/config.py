@@ -50,7 +50,7 @@ class DrafterShape:
     # fresh optimiser and schedule; out_dir checkpoints take precedence (see module docstring)
     init_from: str | None = None
     # init_from may have fewer layers: they become the first layers, the rest start as
-    # identity blocks (kdj.train.loop.grown_params), so training starts from its tau
+    # identity blocks (kdj.train.trainer.grown_params), so training starts from its tau
     grow: bool = False
 
 

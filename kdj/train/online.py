@@ -32,6 +32,8 @@ import numpy as np
 
 from kdj.train.config import OnlineConfig
 from kdj.train.data import chat_prompt_ids, respond_batch
+from kdj.train.loop import chat_prompts, held_out_tau, prepare_prompts
+from kdj.train.trainer import DrafterTrainer, drafter_config_for
 
 MAGPIE_MARK = "\x00kdj-user-turn\x00"  # split point of a rendered template
 
@@ -197,13 +199,6 @@ def run_online(cfg, log=print) -> dict:
     optim.max_minutes, then checkpoint, export and a held-out evaluation. Returns a summary
     (also <out_dir>/summary.json); the campaign record is <out_dir>/campaign.json."""
     import kdj
-    from kdj.train.loop import (
-        DrafterTrainer,
-        chat_prompts,
-        drafter_config_for,
-        held_out_tau,
-        prepare_prompts,
-    )
 
     t_start = time.perf_counter()
     online = cfg.online

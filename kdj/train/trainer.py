@@ -1,0 +1,321 @@
+"""The drafter trainer: one AdamW step with warmup + cosine decay and gradient clipping, float32
+master params with a bfloat16 (configurable) forward, Orbax checkpoints with exact resume, and
+export to the published DFlash format. Training can start from an existing drafter's weights
+(drafter.init_from: continue training with a fresh optimiser and schedule; drafter.grow: a
+deeper drafter from a shallower one).
+
+The target is frozen and only read: its embedding table and lm_head are the drafter's too
+(the drafter owns neither), so nothing of the target enters the optimiser.
+
+Determinism: the batch of step t (sequences and anchors) is a function of (seed, t) alone,
+so a run restored from the checkpoint of step t takes exactly the step t + 1 the
+uninterrupted run would have taken.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from kdj.handles import Drafter
+from kdj.loading import load_drafter
+from kdj.models.drafter import DrafterConfig, build_drafter, default_target_layer_ids
+from kdj.train.config import DrafterShape, OptimConfig
+from kdj.train.forward import block_loss, sample_anchors, target_features
+
+
+def drafter_config_for(target_cfg, shape: DrafterShape) -> DrafterConfig:
+    """A Qwen3-style drafter config sized for this target (hidden size and vocabulary are the
+    target's; heads, FFN width and feature layers as `shape` says, else the target's)."""
+    t = target_cfg
+    ids = shape.target_layer_ids or default_target_layer_ids(t.num_layers, shape.num_layers)
+    heads = shape.num_heads or t.num_heads
+    layers = t.replace(
+        family="llama",
+        model_type="qwen3",
+        num_layers=shape.num_layers,
+        qk_norm=True,
+        num_heads=heads,
+        num_kv_heads=shape.num_kv_heads or t.num_kv_heads or heads,
+        head_dim=shape.head_dim or t.head_dim or t.hidden_size // heads,
+        intermediate_size=shape.intermediate_size or t.intermediate_size,
+        qkv_bias=False,
+        o_bias=False,
+        tie_word_embeddings=False,
+        n_routed_experts=0,
+        first_k_dense_replace=0,
+    )
+    return DrafterConfig(
+        layers=layers,
+        block_size=shape.block_size,
+        mask_token_id=shape.mask_token_id,
+        target_layer_ids=tuple(int(i) for i in ids),
+        num_target_layers=t.num_layers,
+    )
+
+
+def _shape_fields(cfg: DrafterConfig) -> dict:
+    """What must agree between a drafter to start from and the drafter being trained."""
+    lc = cfg.layers
+    return {
+        "num_layers": lc.num_layers,
+        "block_size": cfg.block_size,
+        "mask_token_id": cfg.mask_token_id,
+        "target_layer_ids": tuple(cfg.target_layer_ids),
+        "num_target_layers": cfg.num_target_layers,
+        "hidden_size": lc.hidden_size,
+        "intermediate_size": lc.intermediate_size,
+        "num_heads": lc.num_heads,
+        "num_kv_heads": lc.num_kv_heads,
+        "head_dim": lc.head_dim,
+        "vocab_size": lc.vocab_size,
+        "rope_theta": lc.rope_theta,
+        "layer_types": tuple(cfg.layer_types),
+        "sliding_window": cfg.sliding_window,
+    }
+
+
+def load_init_params(source, drafter_cfg: DrafterConfig, grow: bool = False) -> dict:
+    """The weights of an existing DFlash drafter (a published-format directory or a built-in
+    name, read by kdj.load_drafter) as a float32 pure dict for a trainer of `drafter_cfg`.
+
+    Raises ValueError naming every field where the checkpoint and `drafter_cfg` disagree
+    (layers, block size, mask token, feature layers, widths, ...); a checkpoint that leaves a
+    field unset (num_target_layers -1, vocab_size 0) is not held to it. grow: the checkpoint
+    may have fewer layers than `drafter_cfg` (see grown_params)."""
+    loaded = load_drafter(source, dtype=jnp.float32)
+    have, want = _shape_fields(loaded.cfg), _shape_fields(drafter_cfg)
+    unset = {"num_target_layers": -1, "vocab_size": 0}
+    if grow:  # the layer count (and the per-layer types it sizes) may only increase
+        if have["num_layers"] > want["num_layers"]:
+            raise ValueError(
+                f"drafter.grow: {str(source)!r} has {have['num_layers']} layers, more than the "
+                f"{want['num_layers']} configured"
+            )
+        for k in ("num_layers", "layer_types"):
+            have[k] = want[k]
+    bad = [
+        f"{k}: {have[k]} in the checkpoint, {want[k]} configured"
+        for k in want
+        if have[k] != want[k] and have[k] != unset.get(k, object())
+    ]
+    if bad:
+        raise ValueError(
+            f"drafter.init_from {str(source)!r} does not match the drafter to train "
+            f"(the config's drafter section and the target): {'; '.join(bad)}"
+        )
+    return nnx.to_pure_dict(loaded.state)
+
+
+def grown_params(fresh: dict, init: dict) -> dict:
+    """A deeper drafter that drafts exactly as `init` does: init's layers first, then the
+    fresh layers as identity blocks (attention output and MLP down projections zero, so each
+    adds nothing to the residual stream until training moves them)."""
+    out = dict(fresh, fc=init["fc"], hidden_norm=init["hidden_norm"], norm=init["norm"])
+    layers = dict(fresh["layers"])
+    for i in layers:
+        if i in init["layers"]:
+            layers[i] = init["layers"][i]
+        else:
+            layer = jax.tree.map(lambda x: x, layers[i])
+            layer["attn"]["o"]["kernel"] = jnp.zeros_like(layer["attn"]["o"]["kernel"])
+            layer["mlp"]["down"]["kernel"] = jnp.zeros_like(layer["mlp"]["down"]["kernel"])
+            layers[i] = layer
+    out["layers"] = layers
+    return out
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    warmup = max(1, int(cfg.warmup_frac * cfg.steps))
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1), end_value=cfg.lr * cfg.end_lr_frac
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip),
+        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
+    )
+
+
+def _loss(params, dgraph, tgraph, tstate, batch, compute_dtype, gamma):
+    tokens, loss_mask, anchors, ok = batch
+    target = nnx.merge(tgraph, tstate)
+    low = jax.tree.map(lambda p: p.astype(compute_dtype), params)  # f32 masters -> compute
+    drafter = nnx.merge(dgraph, low)
+    feats = target_features(tgraph, tstate, tokens, drafter.cfg.target_layer_ids)
+    return block_loss(drafter, target, feats, tokens, loss_mask, anchors, ok, gamma)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("optim", "dgraph", "tgraph"), donate_argnames=("params", "opt_state")
+)
+def _train_step(params, opt_state, tstate, batch, *, optim: tuple, dgraph, tgraph):
+    """One AdamW step. optim: OptimConfig as a tuple (hashable: part of the jit key, so
+    trainers of one config and graphs share the compiled step through jit's own cache)."""
+    cfg = OptimConfig(*optim)
+    tx = make_optimizer(cfg)
+    grad_fn = jax.value_and_grad(_loss, has_aux=True)
+    (loss, metrics), grads = grad_fn(
+        params, dgraph, tgraph, tstate, batch, jnp.dtype(cfg.compute_dtype), cfg.gamma
+    )
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
+    return params, opt_state, metrics
+
+
+class DrafterTrainer:
+    """Trains a DFlash drafter against a frozen kdj target on cached (tokens, loss_mask).
+
+    tokens [N, S] int32 and loss_mask [N, S] bool (True on the response tokens the drafter
+    learns to draft) are host arrays; each step takes optim.batch_size rows.
+
+    init_from: an existing DFlash drafter (directory or built-in name) to start from instead
+    of the random initialisation (load_init_params; a shape mismatch is a ValueError); with
+    grow, it may have fewer layers (grown_params). The optimiser and schedule start fresh
+    either way; restore() then overrides both.
+    """
+
+    def __init__(
+        self,
+        target,
+        drafter_cfg: DrafterConfig,
+        optim: OptimConfig,
+        tokens,
+        loss_mask,
+        out_dir=None,
+        init_from=None,
+        grow: bool = False,
+    ):
+        self.target, self.optim, self.cfg = target, optim, drafter_cfg
+        self.tokens, self.loss_mask = np.asarray(tokens, np.int32), np.asarray(loss_mask, bool)
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        model = build_drafter(drafter_cfg, jnp.float32, seed=optim.seed)
+        if init_from is not None:  # replace the random weights before any sharding
+            state = nnx.state(model)
+            fresh = nnx.to_pure_dict(state)
+            init = load_init_params(init_from, drafter_cfg, grow=grow)
+            if grow:
+                init = grown_params(fresh, init)
+            if jax.tree.map(jnp.shape, init) != jax.tree.map(jnp.shape, fresh):
+                raise ValueError(f"drafter.init_from {str(init_from)!r}: parameter shapes differ")
+            nnx.replace_by_pure_dict(state, init)
+            nnx.update(model, state)
+        if target.sharding is not None:  # the drafter lives on its target's mesh
+            from kdj.sharding.apply import shard_model
+
+            shard_model(model, target.sharding)
+        self.graphdef, self.params = nnx.split(model)
+        self.opt_state = make_optimizer(optim).init(self.params)
+        self.step = 0
+        self.data_start = 0  # the step the current data (set_data) started at
+        self._ckpt = None
+
+    # ------------------------------------------------------------------ data
+    def batch(self, step: int):
+        """The batch of `step`: rows of a per-epoch permutation of the current data (seeded by
+        epoch, counted from set_data) and random anchors seeded by step. Returns host arrays
+        (tokens, loss_mask, anchors, anchor_ok)."""
+        n, bs = len(self.tokens), self.optim.batch_size
+        per_epoch = max(1, n // bs)
+        epoch, i = divmod(step - self.data_start, per_epoch)
+        perm = np.random.default_rng([self.optim.seed, epoch]).permutation(n)
+        rows = perm[i * bs : (i + 1) * bs]
+        if rows.size < bs:  # fewer sequences than one batch: wrap around
+            rows = np.resize(perm, bs)
+        tokens, mask = self.tokens[rows], self.loss_mask[rows]
+        rng = np.random.default_rng([self.optim.seed, 1_000_003, step])
+        anchors, ok = sample_anchors(mask, self.optim.anchors_per_seq, self.cfg.block_size, rng)
+        return tokens, mask, anchors, ok
+
+    # ------------------------------------------------------------------ steps
+    def set_data(self, tokens, loss_mask) -> None:
+        """Train on new sequences from the current step on (online distillation): batches
+        then walk a fresh permutation of these rows, each row once per pass."""
+        self.tokens, self.loss_mask = np.asarray(tokens, np.int32), np.asarray(loss_mask, bool)
+        self.data_start = self.step
+
+    def train_step(self) -> dict:
+        """One optimiser step. The metrics stay on the device (scalars): reading them is a
+        host sync, which the loop does only when it logs."""
+        batch = tuple(jnp.asarray(x) for x in self.batch(self.step))
+        self.params, self.opt_state, metrics = _train_step(
+            self.params,
+            self.opt_state,
+            self.target.state,
+            batch,
+            optim=dataclasses.astuple(self.optim),
+            dgraph=self.graphdef,
+            tgraph=self.target.graphdef,
+        )
+        self.step += 1
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def _manager(self):
+        import orbax.checkpoint as ocp
+
+        if self._ckpt is None:
+            if self.out_dir is None:
+                raise ValueError("checkpoints need an out_dir")
+            path = (self.out_dir / "checkpoints").absolute()
+            options = ocp.CheckpointManagerOptions(max_to_keep=2)
+            self._ckpt = ocp.CheckpointManager(path, options=options)
+        return self._ckpt
+
+    def save(self) -> None:
+        """Checkpoint params, optimiser state and step (Orbax; blocks until written)."""
+        import orbax.checkpoint as ocp
+
+        mgr = self._manager()
+        if mgr.latest_step() == self.step:
+            return  # this step is on disk already
+        state = {"params": self.params, "opt_state": self.opt_state}
+        mgr.save(self.step, args=ocp.args.StandardSave(state), force=True)
+        mgr.wait_until_finished()
+
+    def restore(self) -> bool:
+        """Resume from the newest checkpoint in out_dir/checkpoints; False if there is none."""
+        import orbax.checkpoint as ocp
+
+        mgr = self._manager()
+        step = mgr.latest_step()
+        if step is None:
+            return False
+        abstract = jax.tree.map(
+            ocp.utils.to_shape_dtype_struct, {"params": self.params, "opt_state": self.opt_state}
+        )
+        state = mgr.restore(step, args=ocp.args.StandardRestore(abstract))
+        self.params, self.opt_state, self.step = state["params"], state["opt_state"], step
+        return True
+
+    # ------------------------------------------------------------------ export
+    def drafter(self, dtype=None):
+        """The current weights as a kdj.Drafter (cast to `dtype`, default the target's)."""
+        dtype = jnp.dtype(dtype or self.target.dtype)
+        state = jax.tree.map(lambda p: p.astype(dtype), self.params)
+        model = nnx.merge(self.graphdef, state)
+        return Drafter.from_model(model, "trained", self.target.sharding)
+
+    def export(self, path, dtype="bfloat16") -> Path:
+        """Write the published DFlash format (config.json + model.safetensors in `dtype`)."""
+        return export_drafter(self.drafter(jnp.float32), path, dtype)
+
+
+def export_drafter(drafter, path, dtype="bfloat16") -> Path:
+    """kdj.Drafter.save (float32), then store the tensors as `dtype` (published drafters are
+    bfloat16; half the size, and what the reference implementations load)."""
+    from safetensors.flax import save_file
+    from safetensors.numpy import load_file
+
+    path = drafter.save(path, overwrite=True)  # a resumed run exports into its own dir again
+    file = Path(path) / "model.safetensors"
+    tensors = {k: jnp.asarray(v, jnp.dtype(dtype)) for k, v in load_file(str(file)).items()}
+    save_file(tensors, str(file))
+    return Path(path)
