@@ -60,7 +60,7 @@ def test_pool_stop_tokens_cancel_and_bad_requests(target):
     assert len(got[c]) == 11 and sorted(finished) == [a, c] and not engine.busy
     for bad, why in [(Request([], 4, []), "empty"), (Request([1], 0, []), "max_tokens"),
                      (Request([1] * 60, 8, []), "context"),
-                     (Request([1], 4, [], temperature=0.5), "greedy")]:  # fmt: skip
+                     (Request([1], 4, [], top_p=0.0), "top_p")]:  # fmt: skip
         with pytest.raises(ValueError, match=why):
             engine.submit(bad)
 

@@ -47,6 +47,18 @@ class Request:
     id: int = -1  # set by Engine.submit
 
 
+class Mode(NamedTuple):
+    """What the whole pool shares: greedy (static in the compiled step) and top_p."""
+
+    greedy: bool
+    top_p: float
+
+
+def mode_of(req: Request) -> Mode:
+    greedy = req.temperature == 0.0
+    return Mode(greedy, 1.0 if greedy else req.top_p)
+
+
 class Update(NamedTuple):
     """New tokens of one request since the last update; `finished` once it is done."""
 
@@ -106,19 +118,19 @@ def admit(tgraph, tstate, state: DecodeState, tokens, lens, slots, max_new, stop
 
 class Engine:
     """A pool of `max_batch` slots of `cache_size` tokens each; each request emits at most
-    `max_new_cap` tokens. Greedy pools (`greedy=True`) take temperature-0 requests only;
-    a sampling pool runs every slot at its own temperature and one top_p (the first
-    admitted request's while the pool is busy; requests with another top_p wait for it to
-    drain). Not thread-safe: one thread drives `step`."""
+    `max_new_cap` tokens. The running slots share a `Mode`: greedy (exact argmax) or sampled
+    at one top_p, each slot at its own temperature; the pool switches mode when it drains.
+    Sampled tokens come from the pool's key stream (`seed`), so a request's samples depend
+    on its neighbours (same distribution). Not thread-safe: one thread drives `step`."""
 
     def __init__(self, target: Target, max_batch: int, cache_size: int, max_new_cap: int,
-                 *, greedy: bool = True, chunk_steps: int = 32, seed: int = 0):  # fmt: skip
+                 *, chunk_steps: int = 32, seed: int = 0):  # fmt: skip
         if max_batch < 1 or cache_size < 2 or max_new_cap < 1 or chunk_steps < 1:
             raise ValueError("max_batch, max_new_cap, chunk_steps >= 1 and cache_size >= 2")
         if target.sharding is not None:
             raise ValueError("the serving engine runs on one device (target has a mesh)")
         self.target, self.B, self.S, self.N = target, max_batch, cache_size, max_new_cap
-        self.greedy, self.chunk_steps = greedy, chunk_steps
+        self.greedy, self.chunk_steps = True, chunk_steps  # greedy: the running mode's
         self.key = jax.random.key(seed)
         self.waiting: collections.deque[Request] = collections.deque()
         self.slots: list[Request | None] = [None] * max_batch
@@ -153,8 +165,8 @@ class Engine:
                              f" exceed the context of {self.S} tokens")  # fmt: skip
         if len(req.stop) > STOP_WIDTH:
             raise ValueError(f"at most {STOP_WIDTH} stop tokens, got {len(req.stop)}")
-        if self.greedy and req.temperature != 0.0:
-            raise ValueError("this engine is greedy: temperature must be 0")
+        if req.temperature < 0 or not 0 < req.top_p <= 1:
+            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
 
     def submit(self, req: Request) -> int:
         self.check(req)
@@ -165,6 +177,15 @@ class Engine:
     def cancel(self, rid: int) -> None:
         """Drop a waiting request, or free the slot of a running one at the next step."""
         self.cancelled.add(rid)
+
+    def reset(self) -> list[int]:
+        """Drop every request (after a failed step); returns the ids dropped."""
+        ids = [r.id for r in self.waiting] + [r.id for r in self.slots if r is not None]
+        self.waiting.clear()
+        self.slots = [None] * self.B
+        self.cancelled.clear()
+        self.state = self._empty_state()
+        return ids
 
     @property
     def busy(self) -> bool:
@@ -199,16 +220,19 @@ class Engine:
         return updates
 
     def _admit(self) -> None:
+        """Fill free slots from the head of the queue with requests of the pool's mode (FIFO:
+        a request of another mode waits for the pool to drain, so none starves)."""
         free = [b for b, r in enumerate(self.slots) if r is None]
         if not free or not self.waiting:
             return
         running = [r for r in self.slots if r is not None]
-        top_p = running[0].top_p if running else self.waiting[0].top_p
-        take = [r for r in self.waiting if r.top_p == top_p][: len(free)]
+        mode = mode_of(running[0] if running else self.waiting[0])
+        take = []
+        while self.waiting and len(take) < len(free) and mode_of(self.waiting[0]) == mode:
+            take.append(self.waiting.popleft())
         if not take:
             return
-        for r in take:
-            self.waiting.remove(r)
+        self.greedy = mode.greedy
         A = min(1 << (len(take) - 1).bit_length(), self.B)  # bucket: powers of two
         P = min(-(-max(len(r.tokens) for r in take) // 16) * 16, self.S)
         tokens = np.zeros((A, P), np.int32)
@@ -222,10 +246,9 @@ class Engine:
             stop[i, : len(r.stop)] = r.stop
             self.slots[b], self.sent[b] = r, 0
         t = self.target
+        self.state = dataclasses.replace(self.state, top_p=jnp.float32(mode.top_p))
         args = (self.state, *map(jnp.asarray, (tokens, lens, slots, max_new, stop, temps)),
                 self.key)  # fmt: skip
-        self.state = dataclasses.replace(self.state, top_p=jnp.float32(top_p))
-        args = (self.state, *args[1:])
         fn = t.executables.get(admit, t.graphdef, t.state, *args, greedy=self.greedy)
         self.state = fn(t.state, *args)
 
@@ -250,8 +273,8 @@ def generate_stream(target: Target, prompts: list[list[int]], max_batch: int, ma
                     top_p: float = 1.0, seed: int = 0, chunk_steps: int = 32):  # fmt: skip
     """Generated tokens of every prompt (token ids), streamed through a pool of `max_batch`
     slots; each list ends at its first stop token or its budget."""
-    engine = Engine(target, max_batch, cache_size, max(max_new), greedy=temperature == 0.0,
-                    chunk_steps=chunk_steps, seed=seed)  # fmt: skip
+    engine = Engine(target, max_batch, cache_size, max(max_new), chunk_steps=chunk_steps,
+                    seed=seed)  # fmt: skip
     ids = [engine.submit(Request(list(p), m, list(s), temperature, top_p))
            for p, m, s in zip(prompts, max_new, stop)]  # fmt: skip
     got: dict[int, list[int]] = {i: [] for i in ids}
