@@ -3,6 +3,13 @@ server (kdj/serve) on loopback. A tiny random Qwen3-format model in float32."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
 import numpy as np
 import pytest
 
@@ -51,13 +58,13 @@ def test_pool_stop_tokens_cancel_and_bad_requests(target):
         if not engine.busy:
             break
         for u in engine.step():
-            assert u.id != b or u.finished
+            assert u.id != b or (u.finished and not u.tokens)  # cancelled while waiting
             if u.id in got:
                 got[u.id] += u.tokens
             if u.finished:
                 finished.append(u.id)
     assert got[a] == ref[: ref.index(stop_at) + 1]
-    assert len(got[c]) == 11 and sorted(finished) == [a, c] and not engine.busy
+    assert len(got[c]) == 11 and sorted(finished) == [a, b, c] and not engine.busy
     for bad, why in [(Request([], 4, []), "empty"), (Request([1], 0, []), "max_tokens"),
                      (Request([1] * 60, 8, []), "context"),
                      (Request([1], 4, [], top_p=0.0), "top_p")]:  # fmt: skip
@@ -68,3 +75,170 @@ def test_pool_stop_tokens_cancel_and_bad_requests(target):
 def test_max_batch_must_be_positive(target):
     with pytest.raises(ValueError, match="max_batch"):
         kdj.generate(target, [[1, 2], [3, 4]], method="ar", max_batch=0)
+
+
+# ---------------------------------------------------------------------------- the server
+CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,!?'-:;ABCDEFGHIJKLMNOPQRSTUVWXYZ\n"
+SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>"]
+CHAT = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory):
+    """The tiny model with a character-level tokenizer (ids < its vocabulary of 96)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    path = tmp_path_factory.mktemp("qwen3chat")
+    build("qwen3", path)
+    tokens = SPECIALS + list(CHARS)
+    tokens += [f"<{i}>" for i in range(len(tokens), 96)]  # every id the model can emit
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIALS)
+    tok.save(str(path / "tokenizer.json"))
+    config = {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHAT}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    target = kdj.load_target(path, dtype="float32")
+    assert target.tokenizer is not None and len(vocab) == target.cfg.vocab_size
+    return target
+
+
+@pytest.fixture(scope="module")
+def server(chat_target):
+    """uvicorn in a thread on 127.0.0.1, an ephemeral port: 4 slots of 64 tokens."""
+    import uvicorn
+
+    from kdj.serve.app import make_app
+
+    app = make_app(chat_target, "tiny", max_batch=4, context=64, max_tokens=8, max_queue=32,
+                   chunk_steps=4)  # fmt: skip
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    assert srv.started
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    srv.should_exit = True
+    thread.join(30)
+
+
+def text_of(target, tokens):
+    stops = target.tokenizer.stop_ids
+    return target.tokenizer.decode([t for t in tokens if t not in stops])
+
+
+def post_all(url, bodies, concurrency):
+    async def go():
+        limit = asyncio.Semaphore(concurrency)
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+
+            async def one(body):
+                async with limit:
+                    return await client.post("/v1/completions", json=body)
+
+            return await asyncio.gather(*(one(b) for b in bodies))
+
+    return asyncio.run(go())
+
+
+def test_server_greedy_equals_generate(chat_target, server):
+    prompts, budgets = prompts_and_budgets(chat_target, 8, seed=2)
+    ref = kdj.generate(chat_target, prompts, method="ar", max_new_tokens=budgets, max_batch=4)
+    want = [text_of(chat_target, t) for t in ref.tokens]  # = each alone: the test above
+    bodies = [{"model": "tiny", "prompt": p, "max_tokens": m} for p, m in zip(prompts, budgets)]
+    for concurrency in (1, 8):
+        replies = post_all(server, bodies, concurrency)
+        assert [r.status_code for r in replies] == [200] * 8
+        assert [r.json()["choices"][0]["text"] for r in replies] == want
+    usage = replies[0].json()["usage"]
+    assert usage["prompt_tokens"] == len(prompts[0]) and usage["kdj"]["method"] == "ar"
+
+
+def test_server_many_clients_mixed_lengths(chat_target, server):
+    prompts, budgets = prompts_and_budgets(chat_target, 24, seed=3)
+    ref = kdj.generate(chat_target, prompts, method="ar", max_new_tokens=budgets, max_batch=4)
+    bodies = [{"prompt": p, "max_tokens": m} for p, m in zip(prompts, budgets)]
+    replies = post_all(server, bodies, 24)
+    got = [r.json() for r in replies]
+    assert [g["choices"][0]["text"] for g in got] == [text_of(chat_target, t) for t in ref.tokens]
+    assert [g["usage"]["completion_tokens"] for g in got] == [len(t) for t in ref.tokens]
+    assert len({g["id"] for g in got}) == 24
+
+
+def stream_text(url, path, body):
+    pieces, last = [], None
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                last = json.loads(line[6:])
+                choice = last["choices"][0]
+                pieces.append(choice["text"] if "text" in choice else choice["delta"]["content"])
+    return "".join(pieces), last
+
+
+def test_streaming_and_chat_yield_the_same_text(server):
+    body = {"prompt": "hello there", "max_tokens": 12}
+    whole = httpx.post(server + "/v1/completions", json=body, timeout=60).json()
+    text, last = stream_text(server, "/v1/completions", body)
+    assert text == whole["choices"][0]["text"] and last["usage"] == whole["usage"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
+    whole = httpx.post(server + "/v1/chat/completions", json=chat, timeout=60).json()
+    text, _ = stream_text(server, "/v1/chat/completions", chat)
+    assert text == whole["choices"][0]["message"]["content"]
+    assert whole["usage"]["prompt_tokens"] == 3 + len("user\nhi\nassistant\n")  # 3 specials
+
+
+def test_bad_requests_get_400_while_others_run(chat_target, server):
+    prompts, budgets = prompts_and_budgets(chat_target, 4, seed=4)
+    ref = kdj.generate(chat_target, prompts, method="ar", max_new_tokens=budgets, max_batch=4)
+    bad = [b"{not json", {"model": "other", "prompt": "hi"}, {"prompt": [5] * 70},
+           {"prompt": "hi", "max_tokens": 0}, {"prompt": "hi", "top_p": 0}]  # fmt: skip
+
+    async def go():
+        async with httpx.AsyncClient(base_url=server, timeout=60) as client:
+            good = [client.post("/v1/completions", json={"prompt": p, "max_tokens": m})
+                    for p, m in zip(prompts, budgets)]  # fmt: skip
+            wrong = [client.post("/v1/completions", content=b) if isinstance(b, bytes)
+                     else client.post("/v1/completions", json=b) for b in bad]  # fmt: skip
+            return await asyncio.gather(*good, *wrong)
+
+    replies = asyncio.run(go())
+    good, wrong = replies[:4], replies[4:]
+    assert [r.json()["choices"][0]["text"] for r in good] == [
+        text_of(chat_target, t) for t in ref.tokens
+    ]
+    assert [r.status_code for r in wrong] == [400] * len(bad)
+    reasons = [r.json()["error"]["message"] for r in wrong]
+    for reason, word in zip(reasons, ["JSON", "unknown model", "context", "max_tokens", "top_p"]):
+        assert word in reason
+    assert httpx.get(server + "/health").json()["status"] == "ok"
+    assert httpx.get(server + "/v1/models").json()["data"][0]["id"] == "tiny"
+
+
+def test_disconnect_mid_stream_frees_the_slot(chat_target, server):
+    # a prompt that runs its whole budget (no end-of-turn token), so it is still running
+    prompts, _ = prompts_and_budgets(chat_target, 8, seed=5)
+    prompts = [p[:4] for p in prompts]
+    ref = kdj.generate(chat_target, prompts, method="ar", max_new_tokens=56, max_batch=4)
+    long = [p for p, t in zip(prompts, ref.tokens) if len(t) == 56]
+    assert long, "no prompt of the tiny model runs 56 tokens"
+    body = {"prompt": long[0], "max_tokens": 56, "stream": True}
+    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=60) as r:
+        next(r.iter_lines())  # the first chunk: the request holds a slot
+        assert httpx.get(server + "/health").json()["in_flight"] == 1
+    for _ in range(100):
+        if httpx.get(server + "/health").json()["in_flight"] == 0:
+            break
+        time.sleep(0.05)
+    assert httpx.get(server + "/health").json()["in_flight"] == 0
+    reply = httpx.post(server + "/v1/completions", json={"prompt": "ok", "max_tokens": 3})
+    assert reply.status_code == 200

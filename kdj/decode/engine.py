@@ -208,12 +208,13 @@ class Engine:
     def _drop_cancelled(self) -> list[Update]:
         if not self.cancelled:
             return []
+        dropped = [Update(r.id, [], True) for r in self.waiting if r.id in self.cancelled]
         self.waiting = collections.deque(r for r in self.waiting if r.id not in self.cancelled)
         freed = [b for b, r in enumerate(self.slots) if r is not None and r.id in self.cancelled]
         if freed:
             idx = jnp.asarray(freed)
             self.state = dataclasses.replace(self.state, done=self.state.done.at[idx].set(True))
-        updates = [Update(self.slots[b].id, [], True) for b in freed]
+        updates = dropped + [Update(self.slots[b].id, [], True) for b in freed]
         for b in freed:
             self.slots[b] = None
         self.cancelled.clear()
