@@ -232,6 +232,7 @@ def test_disconnect_mid_stream_frees_the_slot(chat_target, server):
     long = [p for p, t in zip(prompts, ref.tokens) if len(t) == 56]
     assert long, "no prompt of the tiny model runs 56 tokens"
     body = {"prompt": long[0], "max_tokens": 56, "stream": True}
+    cancelled = httpx.get(server + "/health").json()["cancelled"]
     with httpx.stream("POST", server + "/v1/completions", json=body, timeout=60) as r:
         next(r.iter_lines())  # the first chunk: the request holds a slot
         assert httpx.get(server + "/health").json()["in_flight"] == 1
@@ -239,6 +240,22 @@ def test_disconnect_mid_stream_frees_the_slot(chat_target, server):
         if httpx.get(server + "/health").json()["in_flight"] == 0:
             break
         time.sleep(0.05)
-    assert httpx.get(server + "/health").json()["in_flight"] == 0
+    health = httpx.get(server + "/health").json()
+    assert health["in_flight"] == 0 and health["cancelled"] == cancelled + 1  # not run out
     reply = httpx.post(server + "/v1/completions", json={"prompt": "ok", "max_tokens": 3})
     assert reply.status_code == 200
+
+
+def test_full_queue_is_refused(target):
+    from kdj.serve.worker import Overloaded, Worker
+
+    worker = Worker(Engine(target, max_batch=1, cache_size=32, max_new_cap=4), max_queue=1)
+
+    async def go():
+        worker.submit(Request([1, 2], 4, []))
+        worker.submit(Request([1, 2], 4, []))
+        with pytest.raises(Overloaded, match="busy"):
+            worker.submit(Request([1, 2], 4, []))
+
+    asyncio.run(go())  # the worker thread never started: nothing drains the queue
+    assert worker.in_flight == 2

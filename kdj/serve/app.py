@@ -38,7 +38,8 @@ def build_app(worker: Worker, served: Served) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "in_flight": worker.in_flight, "slots": worker.engine.B}
+        return {"status": "ok", "in_flight": worker.in_flight, "slots": worker.engine.B,
+                "cancelled": worker.cancelled}  # fmt: skip
 
     @app.get("/v1/models")
     async def models():

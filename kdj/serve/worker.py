@@ -38,6 +38,8 @@ class Worker:
         self.inbox: queue.Queue = queue.Queue()
         self.tickets: dict[int, Ticket] = {}
         self.in_flight = 0  # submitted and not yet finished (read by the event loop)
+        self.cancelled = 0  # requests ended by a cancel (a disconnect, a stop string)
+        self._cancelling: set[int] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kdj-engine", daemon=True)
@@ -103,6 +105,7 @@ class Worker:
                 self.tickets[self.engine.submit(ticket.request)] = ticket
             elif ticket.request.id in self.tickets:
                 self.engine.cancel(ticket.request.id)
+                self._cancelling.add(ticket.request.id)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
@@ -114,6 +117,9 @@ class Worker:
             return
         ticket.send(u)
         if u.finished:
+            if u.id in self._cancelling:
+                self._cancelling.discard(u.id)
+                self.cancelled += 1
             self._finish(u.id)
 
     def _finish(self, rid: int) -> None:
