@@ -119,6 +119,27 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_bench_serve(args) -> int:
+    from kdj.serve import bench
+
+    if args.prompts:  # eval_prompts.json written by train-drafter
+        prompts = json.loads(Path(args.prompts).read_text())["sharegpt"]
+    else:
+        from kdj.train.data import sharegpt_split
+
+        prompts = [m for _, m in sharegpt_split()[1]]
+    lo, hi = (args.max_tokens * 2)[:2] if len(args.max_tokens) == 1 else args.max_tokens
+    if not 1 <= lo <= hi:
+        raise ValueError(f"--max-tokens: need 1 <= lo <= hi, got {args.max_tokens}")
+    report = bench.run(args.url, prompts, args.concurrency, (lo, hi), args.requests,
+                       seed=args.seed, model=args.model)  # fmt: skip
+    print(bench.table(report))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
 def cmd_convert(args) -> int:
     import kdj
     from kdj import arguments
@@ -295,6 +316,19 @@ def parser() -> argparse.ArgumentParser:
                    help="device steps between host turns (default: 16)")  # fmt: skip
     v.add_argument("--grace", type=int, default=30, help="SIGTERM grace seconds (default: 30)")
     v.set_defaults(fn=cmd_serve)
+
+    w = sub.add_parser("bench-serve", help="concurrency sweep against an OpenAI-compatible URL")
+    w.add_argument("--url", default="http://127.0.0.1:8000")
+    w.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    w.add_argument("--requests", type=int, default=64,
+                   help="requests per level, at least the concurrency (default: 64)")  # fmt: skip
+    w.add_argument("--max-tokens", type=int, nargs="+", default=[128],
+                   help="output length N, or LO HI drawn uniformly (default: 128)")  # fmt: skip
+    w.add_argument("--prompts", help="eval_prompts.json (default: held-out ShareGPT)")
+    w.add_argument("--model", help="model id (default: the server's first)")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--out", help="write the report as JSON here")
+    w.set_defaults(fn=cmd_bench_serve)
 
     b = sub.add_parser("bench", help="roofline of one target step (bench/roofline.py --help)",
                        add_help=False, prefix_chars="+")  # fmt: skip

@@ -259,3 +259,17 @@ def test_full_queue_is_refused(target):
 
     asyncio.run(go())  # the worker thread never started: nothing drains the queue
     assert worker.in_flight == 2
+
+
+def test_bench_serve_smoke(server, tmp_path, capsys):
+    from kdj import cli
+
+    prompts = tmp_path / "eval_prompts.json"
+    prompts.write_text(json.dumps({"sharegpt": ["hi there", "tell me a story", "why?"]}))
+    out = tmp_path / "sweep.json"
+    cli.main(["bench-serve", "--url", server, "--concurrency", "1", "3", "--requests", "3",
+              "--max-tokens", "2", "6", "--prompts", str(prompts), "--out", str(out)])  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["concurrency"], r["requests"]) for r in rows] == [(1, 3), (3, 3)]
+    assert all(r["tokens"] > 0 and r["tok_s"] > 0 and r["ttft_p50_s"] > 0 for r in rows)
+    assert "tok/s/user" in capsys.readouterr().out
