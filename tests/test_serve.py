@@ -65,6 +65,9 @@ def test_pool_stop_tokens_cancel_and_bad_requests(target):
                 finished.append(u.id)
     assert got[a] == ref[: ref.index(stop_at) + 1]
     assert len(got[c]) == 11 and sorted(finished) == [a, b, c] and not engine.busy
+    engine.reset()  # after a failed step: a fresh pool that serves again
+    d = engine.submit(Request(prompts[0], 11, [stop_at]))
+    assert [u.tokens for u in engine.step() if u.id == d] == [got[a]]  # one chunk is enough
     for bad, why in [(Request([], 4, []), "empty"), (Request([1], 0, []), "max_tokens"),
                      (Request([1] * 60, 8, []), "context"),
                      (Request([1], 4, [], top_p=0.0), "top_p")]:  # fmt: skip
@@ -130,6 +133,20 @@ def server(chat_target):
     thread.join(30)
 
 
+def pool_reference(target, prompts, budgets):
+    """What the server's engine gives alone: its shapes (so its programs are reused)."""
+    engine = Engine(target, max_batch=4, cache_size=64, max_new_cap=63, chunk_steps=4)
+    ids = [engine.submit(Request(p, m, sorted(target.tokenizer.stop_ids)))
+           for p, m in zip(prompts, budgets)]  # fmt: skip
+    got = {i: [] for i in ids}
+    for _ in range(10 * sum(budgets)):
+        if not engine.busy:
+            break
+        for u in engine.step():
+            got[u.id] += u.tokens
+    return [got[i] for i in ids]
+
+
 def text_of(target, tokens):
     stops = target.tokenizer.stop_ids
     return target.tokenizer.decode([t for t in tokens if t not in stops])
@@ -164,12 +181,12 @@ def test_server_greedy_equals_generate(chat_target, server):
 
 def test_server_many_clients_mixed_lengths(chat_target, server):
     prompts, budgets = prompts_and_budgets(chat_target, 24, seed=3)
-    ref = kdj.generate(chat_target, prompts, method="ar", max_new_tokens=budgets, max_batch=4)
+    ref = pool_reference(chat_target, prompts, budgets)
     bodies = [{"prompt": p, "max_tokens": m} for p, m in zip(prompts, budgets)]
     replies = post_all(server, bodies, 24)
     got = [r.json() for r in replies]
-    assert [g["choices"][0]["text"] for g in got] == [text_of(chat_target, t) for t in ref.tokens]
-    assert [g["usage"]["completion_tokens"] for g in got] == [len(t) for t in ref.tokens]
+    assert [g["choices"][0]["text"] for g in got] == [text_of(chat_target, t) for t in ref]
+    assert [g["usage"]["completion_tokens"] for g in got] == [len(t) for t in ref]
     assert len({g["id"] for g in got}) == 24
 
 
@@ -199,7 +216,7 @@ def test_streaming_and_chat_yield_the_same_text(server):
 
 def test_bad_requests_get_400_while_others_run(chat_target, server):
     prompts, budgets = prompts_and_budgets(chat_target, 4, seed=4)
-    ref = kdj.generate(chat_target, prompts, method="ar", max_new_tokens=budgets, max_batch=4)
+    ref = pool_reference(chat_target, prompts, budgets)
     bad = [b"{not json", {"model": "other", "prompt": "hi"}, {"prompt": [5] * 70},
            {"prompt": "hi", "max_tokens": 0}, {"prompt": "hi", "top_p": 0}]  # fmt: skip
 
@@ -213,9 +230,7 @@ def test_bad_requests_get_400_while_others_run(chat_target, server):
 
     replies = asyncio.run(go())
     good, wrong = replies[:4], replies[4:]
-    assert [r.json()["choices"][0]["text"] for r in good] == [
-        text_of(chat_target, t) for t in ref.tokens
-    ]
+    assert [r.json()["choices"][0]["text"] for r in good] == [text_of(chat_target, t) for t in ref]
     assert [r.status_code for r in wrong] == [400] * len(bad)
     reasons = [r.json()["error"]["message"] for r in wrong]
     for reason, word in zip(reasons, ["JSON", "unknown model", "context", "max_tokens", "top_p"]):
@@ -228,8 +243,8 @@ def test_disconnect_mid_stream_frees_the_slot(chat_target, server):
     # a prompt that runs its whole budget (no end-of-turn token), so it is still running
     prompts, _ = prompts_and_budgets(chat_target, 8, seed=5)
     prompts = [p[:4] for p in prompts]
-    ref = kdj.generate(chat_target, prompts, method="ar", max_new_tokens=56, max_batch=4)
-    long = [p for p, t in zip(prompts, ref.tokens) if len(t) == 56]
+    ref = pool_reference(chat_target, prompts, [56] * len(prompts))
+    long = [p for p, t in zip(prompts, ref) if len(t) == 56]
     assert long, "no prompt of the tiny model runs 56 tokens"
     body = {"prompt": long[0], "max_tokens": 56, "stream": True}
     cancelled = httpx.get(server + "/health").json()["cancelled"]
@@ -273,3 +288,24 @@ def test_bench_serve_smoke(server, tmp_path, capsys):
     assert [(r["concurrency"], r["requests"]) for r in rows] == [(1, 3), (3, 3)]
     assert all(r["tokens"] > 0 and r["tok_s"] > 0 and r["ttft_p50_s"] > 0 for r in rows)
     assert "tok/s/user" in capsys.readouterr().out
+
+
+def test_stop_strings_and_sampling(server):
+    for prompt in ["abc", "hello", "the cat", "xyz 12", "q", "Why?"]:  # one that runs long
+        body = {"prompt": prompt, "max_tokens": 20}
+        text = httpx.post(server + "/v1/completions", json=body, timeout=60).json()
+        text = text["choices"][0]["text"]
+        if len(text) >= 6:
+            break
+    assert len(text) >= 6, "the tiny model ended every prompt too early for this test"
+    stop = text[3:5]
+    cut = httpx.post(server + "/v1/completions", json={**body, "stop": [stop]}, timeout=60)
+    choice = cut.json()["choices"][0]
+    assert choice["text"] == text[: text.index(stop)] and choice["finish_reason"] == "stop"
+    streamed, last = stream_text(server, "/v1/completions", {**body, "stop": stop})
+    assert streamed == choice["text"] and last["choices"][0]["finish_reason"] == "stop"
+    sampled = httpx.post(server + "/v1/completions", timeout=60,
+                         json={**body, "temperature": 0.8, "top_p": 0.9, "seed": 3})  # fmt: skip
+    assert sampled.status_code == 200 and sampled.json()["usage"]["completion_tokens"] >= 1
+    again = httpx.post(server + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert again["text"] == text  # greedy again after the pool ran sampled

@@ -80,14 +80,14 @@ def run_chunk(tgraph, tstate, state: DecodeState, bound, *, greedy) -> DecodeSta
 
 
 @functools.partial(jax.jit, static_argnames=("tgraph", "greedy"), donate_argnames=("state",))
-def admit(tgraph, tstate, state: DecodeState, tokens, lens, slots, max_new, stop, temps, key, *,
+def admit(tgraph, tstate, state: DecodeState, tokens, lens, slots, max_new, stop, temps, *,
           greedy) -> DecodeState:  # fmt: skip
     """Prefill newcomers tokens [A, P] and write them into pool rows `slots` [A] (B: padding,
     dropped). The prefill cache holds P slots only: the pool keeps the rest."""
     target = nnx.merge(tgraph, tstate)
     A, P = tokens.shape
     cache = init_cache(target.cfg, A, P, state.tcache.k[0].dtype)
-    key = jax.random.fold_in(key, state.step)
+    key = jax.random.fold_in(state.key, -1 - state.step)  # apart from the steps' keys
     pre = prefill(tgraph, tstate, None, None, tokens, lens, cache, None, key, temps[:, None],
                   state.top_p, greedy=greedy)  # fmt: skip
 
@@ -131,7 +131,7 @@ class Engine:
             raise ValueError("the serving engine runs on one device (target has a mesh)")
         self.target, self.B, self.S, self.N = target, max_batch, cache_size, max_new_cap
         self.greedy, self.chunk_steps = True, chunk_steps  # greedy: the running mode's
-        self.key = jax.random.key(seed)
+        self.seed = seed
         self.waiting: collections.deque[Request] = collections.deque()
         self.slots: list[Request | None] = [None] * max_batch
         self.sent = [0] * max_batch  # tokens of each slot's request handed out so far
@@ -149,8 +149,9 @@ class Engine:
             tcache=init_cache(t.cfg, B, self.S, t.dtype), dcache=None, last=zeros(),
             pending=None, n_pend=None, out=jnp.zeros((B, N), jnp.int32), n=zeros(),
             done=jnp.ones((B,), bool), max_new=zeros(), stop_ids=jnp.full((B, STOP_WIDTH), -1),
-            key=self.key, temperature=jnp.ones((B, 1), jnp.float32), top_p=jnp.float32(1.0),
-            calibration=jnp.float32(1.0), step=jnp.int32(0), stats=None, auto=None,
+            key=jax.random.key(self.seed), temperature=jnp.ones((B, 1), jnp.float32),
+            top_p=jnp.float32(1.0), calibration=jnp.float32(1.0), step=jnp.int32(0),
+            stats=None, auto=None,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ requests
@@ -248,8 +249,7 @@ class Engine:
             self.slots[b], self.sent[b] = r, 0
         t = self.target
         self.state = dataclasses.replace(self.state, top_p=jnp.float32(mode.top_p))
-        args = (self.state, *map(jnp.asarray, (tokens, lens, slots, max_new, stop, temps)),
-                self.key)  # fmt: skip
+        args = (self.state, *map(jnp.asarray, (tokens, lens, slots, max_new, stop, temps)))
         fn = t.executables.get(admit, t.graphdef, t.state, *args, greedy=self.greedy)
         self.state = fn(t.state, *args)
 
