@@ -17,7 +17,7 @@ import numpy as np
 
 from kdj import arguments
 from kdj.cache import init_cache
-from kdj.decode import auto, loop
+from kdj.decode import auto, engine, loop
 from kdj.decode.state import Plan, Prefilled
 from kdj.handles import Drafter, Target, check_pair
 from kdj.models.transformer import full_sequence
@@ -65,6 +65,7 @@ def generate(
     menu=None,
     cost=None,
     calibration: float | None = None,
+    max_batch: int | None = None,
 ) -> GenerateOutput:
     """Generate for a batch of prompts (strings or token-id lists of any lengths).
 
@@ -83,7 +84,9 @@ def generate(
     larger than the cache can hold after the shortest prompt is cut to that size:
     stats["tree_budget"] / stats["menu"] say what ran. Bad arguments raise TypeError or
     ValueError before anything compiles (kdj.arguments); an argument the method does not use
-    is refused, not ignored.
+    is refused, not ignored. With more prompts than `max_batch`, plain decoding streams them
+    through a pool of max_batch slots (kdj/decode/engine.py): each prompt's result is what
+    it gets alone (greedy: the same tokens).
     """
     # ---- arguments: every check of the caller's options, before anything is compiled
     opts = check_options(target, drafter, method, block_size, tree_budget, menu, calibration,
@@ -92,6 +95,8 @@ def generate(
     seed = arguments.integer(seed, "seed")
     tokenizer = tokenizer or target.tokenizer
     batch = pack(target, prompts, tokenizer, max_new_tokens, stop_tokens, cache_size)
+    if max_batch is not None and batch.B > arguments.integer(max_batch, "max_batch", 1):
+        return stream(opts, target, batch, max_batch, temperature, top_p, seed, tokenizer)
     opts = cap_trees(opts, batch)
     # ---- plan: which steps the loop composes
     if opts.method != "ar":
@@ -241,6 +246,25 @@ def execute(target, drafter, batch: Batch, plan: Plan, sampling, calibration, pr
     t3 = time.perf_counter()
     times = {"compile_s": t1 - t0, "prefill_s": t2 - t1, "decode_s": t3 - t2}
     return Run(out.out, out.n_out, int(out.steps), out.stats, times)
+
+
+def stream(opts: Options, target, batch: Batch, max_batch, temperature, top_p, seed, tokenizer):
+    """generate with more prompts than max_batch: the prompts stream through the engine."""
+    if opts.method != "ar":
+        raise ValueError("max_batch streams prompts for plain decoding only (method='ar')")
+    B, t0 = batch.B, time.perf_counter()
+    toks = engine.generate_stream(
+        target, [batch.tokens[b, : batch.lens[b]].tolist() for b in range(B)], max_batch,
+        batch.max_new[:B], [[int(i) for i in row if i >= 0] for row in batch.stop[:B]],
+        cache_size=batch.capacity, temperature=temperature, top_p=top_p, seed=seed,
+    )  # fmt: skip
+    texts = None
+    if tokenizer is not None:
+        texts = [tokenizer.decode([t for t in seq if t not in batch.stops]) for seq in toks]
+    seconds = time.perf_counter() - t0
+    stats = {"method": "ar", "batch": B, "max_batch": max_batch,
+             "new_tokens": sum(map(len, toks)), "seconds": seconds}  # fmt: skip
+    return GenerateOutput(tokens=toks, texts=texts, stats=stats)
 
 
 def assemble(opts: Options, shapes, batch: Batch, res: Run, tokenizer) -> GenerateOutput:

@@ -97,6 +97,49 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    import kdj
+    from kdj.serve.app import make_app
+
+    run = _run_config(args.config)
+    dec = run["decode"]
+    if run["drafter"] or dec["method"] not in ("ar", "auto"):
+        print("kdj serve: the pool decodes plainly (AR) for now; the drafter is not used")
+    target = kdj.load_target(run["target"], dtype=_dtype(run["dtype"]))
+    name = args.model_name or str(run["target"])
+    app = make_app(target, name, max_batch=args.max_batch, context=args.context,
+                   max_tokens=dec["max_new_tokens"], max_queue=args.max_queue,
+                   chunk_steps=args.chunk_steps, temperature=dec["temperature"],
+                   top_p=dec["top_p"], seed=dec["seed"])  # fmt: skip
+    # SIGTERM: uvicorn stops accepting, lets in-flight requests finish for up to
+    # --grace seconds, then the app's shutdown cancels the rest
+    uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace)
+    return 0
+
+
+def cmd_bench_serve(args) -> int:
+    from kdj.serve import bench
+
+    if args.prompts:  # eval_prompts.json written by train-drafter
+        prompts = json.loads(Path(args.prompts).read_text())["sharegpt"]
+    else:
+        from kdj.train.data import sharegpt_split
+
+        prompts = [m for _, m in sharegpt_split()[1]]
+    lo, hi = (args.max_tokens * 2)[:2] if len(args.max_tokens) == 1 else args.max_tokens
+    if not 1 <= lo <= hi:
+        raise ValueError(f"--max-tokens: need 1 <= lo <= hi, got {args.max_tokens}")
+    report = bench.run(args.url, prompts, args.concurrency, (lo, hi), args.requests,
+                       seed=args.seed, model=args.model)  # fmt: skip
+    print(bench.table(report))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
 def cmd_convert(args) -> int:
     import kdj
     from kdj import arguments
@@ -261,6 +304,32 @@ def parser() -> argparse.ArgumentParser:
     )
     c.set_defaults(fn=cmd_convert)
     # "+" as its only prefix: every "--option" after `bench` is passed through untouched.
+    v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs kdj[serve])")
+    v.add_argument("--config", help="run YAML, e.g. configs/runs/smollm2.yaml (default: none)")
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--model-name", help="the model id clients send (default: the target)")
+    v.add_argument("--max-batch", type=int, default=8, help="slots of the pool (default: 8)")
+    v.add_argument("--context", type=int, default=2048, help="tokens per slot (default: 2048)")
+    v.add_argument("--max-queue", type=int, default=64, help="waiting requests (default: 64)")
+    v.add_argument("--chunk-steps", type=int, default=16,
+                   help="device steps between host turns (default: 16)")  # fmt: skip
+    v.add_argument("--grace", type=int, default=30, help="SIGTERM grace seconds (default: 30)")
+    v.set_defaults(fn=cmd_serve)
+
+    w = sub.add_parser("bench-serve", help="concurrency sweep against an OpenAI-compatible URL")
+    w.add_argument("--url", default="http://127.0.0.1:8000")
+    w.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    w.add_argument("--requests", type=int, default=64,
+                   help="requests per level, at least the concurrency (default: 64)")  # fmt: skip
+    w.add_argument("--max-tokens", type=int, nargs="+", default=[128],
+                   help="output length N, or LO HI drawn uniformly (default: 128)")  # fmt: skip
+    w.add_argument("--prompts", help="eval_prompts.json (default: held-out ShareGPT)")
+    w.add_argument("--model", help="model id (default: the server's first)")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--out", help="write the report as JSON here")
+    w.set_defaults(fn=cmd_bench_serve)
+
     b = sub.add_parser("bench", help="roofline of one target step (bench/roofline.py --help)",
                        add_help=False, prefix_chars="+")  # fmt: skip
     b.add_argument("args", nargs=argparse.REMAINDER, help="bench/roofline.py arguments")

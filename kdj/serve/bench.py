@@ -1,0 +1,107 @@
+"""`kdj bench-serve`: a load generator for an OpenAI-compatible server (kdj serve or any other).
+
+At each concurrency C, C clients stream chat completions back to back until `requests`
+(at least C) have completed. Per request: time to first token (TTFT), inter-token latency
+(ITL: (end - first token) / (tokens - 1)) and tokens per second seen by its user; per level:
+aggregate tokens per second (all completion tokens / wall time) and p50 / p99 of the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from typing import NamedTuple
+
+import httpx
+import numpy as np
+
+
+class Sample(NamedTuple):
+    ttft_s: float
+    itl_s: float  # nan for a one-token reply
+    seconds: float
+    tokens: int
+
+
+async def one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> Sample:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0.0, "stream": True}  # fmt: skip
+    t0 = time.perf_counter()
+    first, tokens = None, 0
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            if first is None:
+                first = time.perf_counter()
+            if "usage" in chunk:
+                tokens = chunk["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    first = end if first is None else first
+    itl = (end - first) / (tokens - 1) if tokens > 1 else float("nan")
+    return Sample(first - t0, itl, end - t0, tokens)
+
+
+async def level(url, model, prompts, lengths, concurrency, requests, timeout) -> dict:
+    jobs = list(range(max(requests, concurrency)))
+    samples: list[Sample] = []
+    async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
+
+        async def user():
+            while jobs:
+                i = jobs.pop()
+                samples.append(await one(client, model, prompts[i % len(prompts)],
+                                         lengths[i % len(lengths)]))  # fmt: skip
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(user() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    total = sum(s.tokens for s in samples)
+
+    def pct(xs, q):
+        xs = [x for x in xs if x == x]
+        return float(np.percentile(xs, q)) if xs else float("nan")
+
+    ttft, itl = [s.ttft_s for s in samples], [s.itl_s for s in samples]
+    return {
+        "concurrency": concurrency, "requests": len(samples), "tokens": total, "wall_s": wall,
+        "tok_s": total / wall,
+        "tok_s_per_user": float(np.mean([s.tokens / s.seconds for s in samples])),
+        "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+        "itl_p50_s": pct(itl, 50), "itl_p99_s": pct(itl, 99),
+    }  # fmt: skip
+
+
+def run(url: str, prompts: list[str], concurrency: list[int], max_tokens: tuple[int, int],
+        requests: int, seed: int = 0, model: str | None = None, timeout: float = 600):  # fmt: skip
+    """The sweep: one row per concurrency. max_tokens (lo, hi): output lengths drawn
+    uniformly (seeded); lo == hi: fixed."""
+    if not prompts:
+        raise ValueError("no prompts")
+    rng = random.Random(seed)
+    lengths = [rng.randint(*max_tokens) for _ in range(max(max(concurrency), requests))]
+    if model is None:
+        model = httpx.get(url + "/v1/models", timeout=timeout).json()["data"][0]["id"]
+    rows = [asyncio.run(level(url, model, prompts, lengths, c, requests, timeout))
+            for c in concurrency]  # fmt: skip
+    return {"url": url, "model": model, "max_tokens": list(max_tokens), "seed": seed,
+            "rows": rows}  # fmt: skip
+
+
+def table(report: dict) -> str:
+    head = f"{'C':>5} {'reqs':>5} {'tok/s':>9} {'tok/s/user':>10} {'TTFT p50':>9} " \
+           f"{'p99':>8} {'ITL p50':>8} {'p99':>8}"  # fmt: skip
+    lines = [head]
+    for r in report["rows"]:
+        lines.append(f"{r['concurrency']:>5} {r['requests']:>5} {r['tok_s']:>9.1f} "
+                     f"{r['tok_s_per_user']:>10.1f} {r['ttft_p50_s'] * 1e3:>7.0f}ms "
+                     f"{r['ttft_p99_s'] * 1e3:>6.0f}ms {r['itl_p50_s'] * 1e3:>6.1f}ms "
+                     f"{r['itl_p99_s'] * 1e3:>6.1f}ms")  # fmt: skip
+    return "\n".join(lines)

@@ -1,0 +1,311 @@
+"""Serving: the slot-pool engine (kdj/decode/engine.py) against kdj.generate, and the HTTP
+server (kdj/serve) on loopback. A tiny random Qwen3-format model in float32."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+import kdj
+from kdj.decode.engine import Engine, Request
+from tests.hf_models import build
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3")
+    build("qwen3", path)
+    return kdj.load_target(path, dtype="float32")
+
+
+def prompts_and_budgets(target, n, seed=0):
+    rng = np.random.default_rng(seed)
+    V = target.cfg.vocab_size
+    prompts = [rng.integers(1, V, size=int(rng.integers(2, 16))).tolist() for _ in range(n)]
+    return prompts, [int(rng.choice([3, 11])) for _ in prompts]
+
+
+def alone(target, prompts, budgets):
+    return [kdj.generate(target, [p], method="ar", max_new_tokens=m).tokens[0]
+            for p, m in zip(prompts, budgets)]  # fmt: skip
+
+
+def test_pool_streams_prompts_token_identical(target):
+    prompts, budgets = prompts_and_budgets(target, 7)
+    out = kdj.generate(target, prompts, method="ar", max_new_tokens=budgets, max_batch=3)
+    assert out.tokens == alone(target, prompts, budgets)
+    assert out.stats["max_batch"] == 3 and len(out.tokens) == 7
+
+
+def test_pool_stop_tokens_cancel_and_bad_requests(target):
+    prompts, _ = prompts_and_budgets(target, 3, seed=1)
+    ref = alone(target, prompts[:1], [11])[0]
+    engine = Engine(target, max_batch=2, cache_size=64, max_new_cap=11, chunk_steps=4)
+    stop_at = ref[4]  # the request must end at the first occurrence of this token
+    a = engine.submit(Request(prompts[0], 11, [stop_at]))
+    b = engine.submit(Request(prompts[1], 11, []))
+    c = engine.submit(Request(prompts[2], 11, []))
+    engine.cancel(b)
+    got, finished = {a: [], c: []}, []
+    for _ in range(50):
+        if not engine.busy:
+            break
+        for u in engine.step():
+            assert u.id != b or (u.finished and not u.tokens)  # cancelled while waiting
+            if u.id in got:
+                got[u.id] += u.tokens
+            if u.finished:
+                finished.append(u.id)
+    assert got[a] == ref[: ref.index(stop_at) + 1]
+    assert len(got[c]) == 11 and sorted(finished) == [a, b, c] and not engine.busy
+    engine.reset()  # after a failed step: a fresh pool that serves again
+    d = engine.submit(Request(prompts[0], 11, [stop_at]))
+    assert [u.tokens for u in engine.step() if u.id == d] == [got[a]]  # one chunk is enough
+    for bad, why in [(Request([], 4, []), "empty"), (Request([1], 0, []), "max_tokens"),
+                     (Request([1] * 60, 8, []), "context"),
+                     (Request([1], 4, [], top_p=0.0), "top_p")]:  # fmt: skip
+        with pytest.raises(ValueError, match=why):
+            engine.submit(bad)
+
+
+def test_max_batch_must_be_positive(target):
+    with pytest.raises(ValueError, match="max_batch"):
+        kdj.generate(target, [[1, 2], [3, 4]], method="ar", max_batch=0)
+
+
+# ---------------------------------------------------------------------------- the server
+CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,!?'-:;ABCDEFGHIJKLMNOPQRSTUVWXYZ\n"
+SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>"]
+CHAT = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory):
+    """The tiny model with a character-level tokenizer (ids < its vocabulary of 96)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    path = tmp_path_factory.mktemp("qwen3chat")
+    build("qwen3", path)
+    tokens = SPECIALS + list(CHARS)
+    tokens += [f"<{i}>" for i in range(len(tokens), 96)]  # every id the model can emit
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIALS)
+    tok.save(str(path / "tokenizer.json"))
+    config = {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHAT}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    target = kdj.load_target(path, dtype="float32")
+    assert target.tokenizer is not None and len(vocab) == target.cfg.vocab_size
+    return target
+
+
+@pytest.fixture(scope="module")
+def server(chat_target):
+    """uvicorn in a thread on 127.0.0.1, an ephemeral port: 4 slots of 64 tokens."""
+    import uvicorn
+
+    from kdj.serve.app import make_app
+
+    app = make_app(chat_target, "tiny", max_batch=4, context=64, max_tokens=8, max_queue=32,
+                   chunk_steps=4)  # fmt: skip
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    assert srv.started
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    srv.should_exit = True
+    thread.join(30)
+
+
+def pool_reference(target, prompts, budgets):
+    """What the server's engine gives alone: its shapes (so its programs are reused)."""
+    engine = Engine(target, max_batch=4, cache_size=64, max_new_cap=63, chunk_steps=4)
+    ids = [engine.submit(Request(p, m, sorted(target.tokenizer.stop_ids)))
+           for p, m in zip(prompts, budgets)]  # fmt: skip
+    got = {i: [] for i in ids}
+    for _ in range(10 * sum(budgets)):
+        if not engine.busy:
+            break
+        for u in engine.step():
+            got[u.id] += u.tokens
+    return [got[i] for i in ids]
+
+
+def text_of(target, tokens):
+    stops = target.tokenizer.stop_ids
+    return target.tokenizer.decode([t for t in tokens if t not in stops])
+
+
+def post_all(url, bodies, concurrency):
+    async def go():
+        limit = asyncio.Semaphore(concurrency)
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+
+            async def one(body):
+                async with limit:
+                    return await client.post("/v1/completions", json=body)
+
+            return await asyncio.gather(*(one(b) for b in bodies))
+
+    return asyncio.run(go())
+
+
+def test_server_greedy_equals_generate(chat_target, server):
+    prompts, budgets = prompts_and_budgets(chat_target, 8, seed=2)
+    ref = kdj.generate(chat_target, prompts, method="ar", max_new_tokens=budgets, max_batch=4)
+    want = [text_of(chat_target, t) for t in ref.tokens]  # = each alone: the test above
+    bodies = [{"model": "tiny", "prompt": p, "max_tokens": m} for p, m in zip(prompts, budgets)]
+    for concurrency in (1, 8):
+        replies = post_all(server, bodies, concurrency)
+        assert [r.status_code for r in replies] == [200] * 8
+        assert [r.json()["choices"][0]["text"] for r in replies] == want
+    usage = replies[0].json()["usage"]
+    assert usage["prompt_tokens"] == len(prompts[0]) and usage["kdj"]["method"] == "ar"
+
+
+def test_server_many_clients_mixed_lengths(chat_target, server):
+    prompts, budgets = prompts_and_budgets(chat_target, 24, seed=3)
+    ref = pool_reference(chat_target, prompts, budgets)
+    bodies = [{"prompt": p, "max_tokens": m} for p, m in zip(prompts, budgets)]
+    replies = post_all(server, bodies, 24)
+    got = [r.json() for r in replies]
+    assert [g["choices"][0]["text"] for g in got] == [text_of(chat_target, t) for t in ref]
+    assert [g["usage"]["completion_tokens"] for g in got] == [len(t) for t in ref]
+    assert len({g["id"] for g in got}) == 24
+
+
+def stream_text(url, path, body):
+    pieces, last = [], None
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                last = json.loads(line[6:])
+                choice = last["choices"][0]
+                pieces.append(choice["text"] if "text" in choice else choice["delta"]["content"])
+    return "".join(pieces), last
+
+
+def test_streaming_and_chat_yield_the_same_text(server):
+    body = {"prompt": "hello there", "max_tokens": 12}
+    whole = httpx.post(server + "/v1/completions", json=body, timeout=60).json()
+    text, last = stream_text(server, "/v1/completions", body)
+    assert text == whole["choices"][0]["text"] and last["usage"] == whole["usage"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
+    whole = httpx.post(server + "/v1/chat/completions", json=chat, timeout=60).json()
+    text, _ = stream_text(server, "/v1/chat/completions", chat)
+    assert text == whole["choices"][0]["message"]["content"]
+    assert whole["usage"]["prompt_tokens"] == 3 + len("user\nhi\nassistant\n")  # 3 specials
+
+
+def test_bad_requests_get_400_while_others_run(chat_target, server):
+    prompts, budgets = prompts_and_budgets(chat_target, 4, seed=4)
+    ref = pool_reference(chat_target, prompts, budgets)
+    bad = [b"{not json", {"model": "other", "prompt": "hi"}, {"prompt": [5] * 70},
+           {"prompt": "hi", "max_tokens": 0}, {"prompt": "hi", "top_p": 0}]  # fmt: skip
+
+    async def go():
+        async with httpx.AsyncClient(base_url=server, timeout=60) as client:
+            good = [client.post("/v1/completions", json={"prompt": p, "max_tokens": m})
+                    for p, m in zip(prompts, budgets)]  # fmt: skip
+            wrong = [client.post("/v1/completions", content=b) if isinstance(b, bytes)
+                     else client.post("/v1/completions", json=b) for b in bad]  # fmt: skip
+            return await asyncio.gather(*good, *wrong)
+
+    replies = asyncio.run(go())
+    good, wrong = replies[:4], replies[4:]
+    assert [r.json()["choices"][0]["text"] for r in good] == [text_of(chat_target, t) for t in ref]
+    assert [r.status_code for r in wrong] == [400] * len(bad)
+    reasons = [r.json()["error"]["message"] for r in wrong]
+    for reason, word in zip(reasons, ["JSON", "unknown model", "context", "max_tokens", "top_p"]):
+        assert word in reason
+    assert httpx.get(server + "/health").json()["status"] == "ok"
+    assert httpx.get(server + "/v1/models").json()["data"][0]["id"] == "tiny"
+
+
+def test_disconnect_mid_stream_frees_the_slot(chat_target, server):
+    # a prompt that runs its whole budget (no end-of-turn token), so it is still running
+    prompts, _ = prompts_and_budgets(chat_target, 8, seed=5)
+    prompts = [p[:4] for p in prompts]
+    ref = pool_reference(chat_target, prompts, [56] * len(prompts))
+    long = [p for p, t in zip(prompts, ref) if len(t) == 56]
+    assert long, "no prompt of the tiny model runs 56 tokens"
+    body = {"prompt": long[0], "max_tokens": 56, "stream": True}
+    cancelled = httpx.get(server + "/health").json()["cancelled"]
+    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=60) as r:
+        next(r.iter_lines())  # the first chunk: the request holds a slot
+        assert httpx.get(server + "/health").json()["in_flight"] == 1
+    for _ in range(100):
+        if httpx.get(server + "/health").json()["in_flight"] == 0:
+            break
+        time.sleep(0.05)
+    health = httpx.get(server + "/health").json()
+    assert health["in_flight"] == 0 and health["cancelled"] == cancelled + 1  # not run out
+    reply = httpx.post(server + "/v1/completions", json={"prompt": "ok", "max_tokens": 3})
+    assert reply.status_code == 200
+
+
+def test_full_queue_is_refused(target):
+    from kdj.serve.worker import Overloaded, Worker
+
+    worker = Worker(Engine(target, max_batch=1, cache_size=32, max_new_cap=4), max_queue=1)
+
+    async def go():
+        worker.submit(Request([1, 2], 4, []))
+        worker.submit(Request([1, 2], 4, []))
+        with pytest.raises(Overloaded, match="busy"):
+            worker.submit(Request([1, 2], 4, []))
+
+    asyncio.run(go())  # the worker thread never started: nothing drains the queue
+    assert worker.in_flight == 2
+
+
+def test_bench_serve_smoke(server, tmp_path, capsys):
+    from kdj import cli
+
+    prompts = tmp_path / "eval_prompts.json"
+    prompts.write_text(json.dumps({"sharegpt": ["hi there", "tell me a story", "why?"]}))
+    out = tmp_path / "sweep.json"
+    cli.main(["bench-serve", "--url", server, "--concurrency", "1", "3", "--requests", "3",
+              "--max-tokens", "2", "6", "--prompts", str(prompts), "--out", str(out)])  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["concurrency"], r["requests"]) for r in rows] == [(1, 3), (3, 3)]
+    assert all(r["tokens"] > 0 and r["tok_s"] > 0 and r["ttft_p50_s"] > 0 for r in rows)
+    assert "tok/s/user" in capsys.readouterr().out
+
+
+def test_stop_strings_and_sampling(server):
+    for prompt in ["abc", "hello", "the cat", "xyz 12", "q", "Why?"]:  # one that runs long
+        body = {"prompt": prompt, "max_tokens": 20}
+        text = httpx.post(server + "/v1/completions", json=body, timeout=60).json()
+        text = text["choices"][0]["text"]
+        if len(text) >= 6:
+            break
+    assert len(text) >= 6, "the tiny model ended every prompt too early for this test"
+    stop = text[3:5]
+    cut = httpx.post(server + "/v1/completions", json={**body, "stop": [stop]}, timeout=60)
+    choice = cut.json()["choices"][0]
+    assert choice["text"] == text[: text.index(stop)] and choice["finish_reason"] == "stop"
+    streamed, last = stream_text(server, "/v1/completions", {**body, "stop": stop})
+    assert streamed == choice["text"] and last["choices"][0]["finish_reason"] == "stop"
+    sampled = httpx.post(server + "/v1/completions", timeout=60,
+                         json={**body, "temperature": 0.8, "top_p": 0.9, "seed": 3})  # fmt: skip
+    assert sampled.status_code == 200 and sampled.json()["usage"]["completion_tokens"] >= 1
+    again = httpx.post(server + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert again["text"] == text  # greedy again after the pool ran sampled
