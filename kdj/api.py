@@ -18,6 +18,7 @@ import numpy as np
 from kdj import arguments
 from kdj.cache import init_cache
 from kdj.decode import auto, loop
+from kdj.decode.sampling import request_keys
 from kdj.decode.state import Plan, Prefilled
 from kdj.handles import Drafter, Target, check_pair
 from kdj.models.transformer import full_sequence
@@ -55,7 +56,7 @@ def generate(
     max_new_tokens=256,
     temperature: float = 0.0,
     top_p: float = 1.0,
-    seed: int = 0,
+    seed=0,
     block_size=None,
     tree_budget=None,
     stop_tokens=None,
@@ -65,6 +66,7 @@ def generate(
     menu=None,
     cost=None,
     calibration: float | None = None,
+    deterministic: bool = False,
 ) -> GenerateOutput:
     """Generate for a batch of prompts (strings or token-id lists of any lengths).
 
@@ -84,14 +86,24 @@ def generate(
     stats["tree_budget"] / stats["menu"] say what ran. Bad arguments raise TypeError or
     ValueError before anything compiles (kdj.arguments); an argument the method does not use
     is refused, not ignored.
+
+    Sampling draws the token at position p of a sequence with a key from (its seed, p)
+    (kdj/decode/sampling.py): `seed` one int (each row draws its own stream from it; with
+    deterministic=True every prompt uses it as its own seed) or one per prompt. With
+    deterministic=True (kernel policy `as_deterministic`) the output depends only on the
+    target, the prompt, the sampling parameters and the prompt's seed: not on the drafter,
+    the method, the batch or the run.
     """
     # ---- arguments: every check of the caller's options, before anything is compiled
     opts = check_options(target, drafter, method, block_size, tree_budget, menu, calibration,
                          temperature, top_p, mesh)  # fmt: skip
     temperature, top_p = arguments.sampling(temperature, top_p)
-    seed = arguments.integer(seed, "seed")
+    if arguments.flag(deterministic, "deterministic"):
+        target = deterministic_target(target)
     tokenizer = tokenizer or target.tokenizer
     batch = pack(target, prompts, tokenizer, max_new_tokens, stop_tokens, cache_size)
+    seeds, per_prompt = arguments.seeds(seed, batch.B)
+    seeds += [0] * (batch.tokens.shape[0] - batch.B)  # the padding rows
     opts = cap_trees(opts, batch)
     # ---- plan: which steps the loop composes
     if opts.method != "ar":
@@ -100,11 +112,21 @@ def generate(
         drafter = drafter.with_kernels(target.cfg.kernels)  # and follows its kernel policy
     plan, prior, shapes = make_plan(opts, target, drafter, batch, temperature == 0.0, cost)
     # ---- run
-    sampling = (jax.random.key(seed), jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p))
+    keys = request_keys(seeds, shared=per_prompt or target.cfg.kernels.deterministic)
+    sampling = (keys, jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p))
     res = execute(target, drafter if plan.speculative else None, batch, plan, sampling,
                   opts.calibration, prior)  # fmt: skip
     # ---- output
     return assemble(opts, shapes, batch, res, tokenizer)
+
+
+def deterministic_target(target: Target) -> Target:
+    """`target` under its kernel policy in deterministic mode, sharing its compiled programs
+    (the policy is part of their keys, through the graphdef)."""
+    if target.cfg.kernels.deterministic:
+        return target
+    same = target.with_kernels(target.cfg.kernels.as_deterministic())
+    return dataclasses.replace(same, executables=target.executables)
 
 
 class Options(NamedTuple):
