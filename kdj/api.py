@@ -18,6 +18,7 @@ import numpy as np
 from kdj import arguments
 from kdj.cache import init_cache
 from kdj.decode import auto, engine, loop
+from kdj.decode.sampling import request_keys
 from kdj.decode.state import Plan, Prefilled
 from kdj.handles import Drafter, Target, check_pair
 from kdj.models.transformer import full_sequence
@@ -55,7 +56,7 @@ def generate(
     max_new_tokens=256,
     temperature: float = 0.0,
     top_p: float = 1.0,
-    seed: int = 0,
+    seed=0,
     block_size=None,
     tree_budget=None,
     stop_tokens=None,
@@ -66,6 +67,7 @@ def generate(
     cost=None,
     calibration: float | None = None,
     max_batch: int | None = None,
+    deterministic: bool = False,
 ) -> GenerateOutput:
     """Generate for a batch of prompts (strings or token-id lists of any lengths).
 
@@ -87,16 +89,26 @@ def generate(
     is refused, not ignored. With more prompts than `max_batch`, plain decoding streams them
     through a pool of max_batch slots (kdj/decode/engine.py): each prompt's result is what
     it gets alone (greedy: the same tokens).
+
+    Sampling draws the token at position p of a sequence with a key from (its seed, p)
+    (kdj/decode/sampling.py): `seed` one int (each row draws its own stream from it; with
+    deterministic=True every prompt uses it as its own seed) or one per prompt. With
+    deterministic=True (kernel policy `as_deterministic`) the output depends only on the
+    target, the prompt, the sampling parameters and the prompt's seed: not on the drafter,
+    the method, the batch or the run.
     """
     # ---- arguments: every check of the caller's options, before anything is compiled
     opts = check_options(target, drafter, method, block_size, tree_budget, menu, calibration,
                          temperature, top_p, mesh)  # fmt: skip
     temperature, top_p = arguments.sampling(temperature, top_p)
-    seed = arguments.integer(seed, "seed")
+    if arguments.flag(deterministic, "deterministic"):
+        target = deterministic_target(target)
     tokenizer = tokenizer or target.tokenizer
     batch = pack(target, prompts, tokenizer, max_new_tokens, stop_tokens, cache_size)
     if max_batch is not None and batch.B > arguments.integer(max_batch, "max_batch", 1):
         return stream(opts, target, batch, max_batch, temperature, top_p, seed, tokenizer)
+    seeds, per_prompt = arguments.seeds(seed, batch.B)
+    seeds += [0] * (batch.tokens.shape[0] - batch.B)  # the padding rows
     opts = cap_trees(opts, batch)
     # ---- plan: which steps the loop composes
     if opts.method != "ar":
@@ -105,11 +117,21 @@ def generate(
         drafter = drafter.with_kernels(target.cfg.kernels)  # and follows its kernel policy
     plan, prior, shapes = make_plan(opts, target, drafter, batch, temperature == 0.0, cost)
     # ---- run
-    sampling = (jax.random.key(seed), jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p))
+    keys = request_keys(seeds, shared=per_prompt or target.cfg.kernels.deterministic)
+    sampling = (keys, jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p))
     res = execute(target, drafter if plan.speculative else None, batch, plan, sampling,
                   opts.calibration, prior)  # fmt: skip
     # ---- output
     return assemble(opts, shapes, batch, res, tokenizer)
+
+
+def deterministic_target(target: Target) -> Target:
+    """`target` under its kernel policy in deterministic mode, sharing its compiled programs
+    (the policy is part of their keys, through the graphdef)."""
+    if target.cfg.kernels.deterministic:
+        return target
+    same = target.with_kernels(target.cfg.kernels.as_deterministic())
+    return dataclasses.replace(same, executables=target.executables)
 
 
 class Options(NamedTuple):
@@ -248,6 +270,12 @@ def execute(target, drafter, batch: Batch, plan: Plan, sampling, calibration, pr
     return Run(out.out, out.n_out, int(out.steps), out.stats, times)
 
 
+def stream_seeds(seed, B: int) -> dict:
+    """The engine's seeds: one per prompt as given, else the one int for the pool."""
+    seeds, per_prompt = arguments.seeds(seed, B)
+    return {"seeds": seeds} if per_prompt else {"seed": seeds[0]}
+
+
 def stream(opts: Options, target, batch: Batch, max_batch, temperature, top_p, seed, tokenizer):
     """generate with more prompts than max_batch: the prompts stream through the engine."""
     if opts.method != "ar":
@@ -256,7 +284,8 @@ def stream(opts: Options, target, batch: Batch, max_batch, temperature, top_p, s
     toks = engine.generate_stream(
         target, [batch.tokens[b, : batch.lens[b]].tolist() for b in range(B)], max_batch,
         batch.max_new[:B], [[int(i) for i in row if i >= 0] for row in batch.stop[:B]],
-        cache_size=batch.capacity, temperature=temperature, top_p=top_p, seed=seed,
+        cache_size=batch.capacity, temperature=temperature, top_p=top_p,
+        **stream_seeds(seed, B),
     )  # fmt: skip
     texts = None
     if tokenizer is not None:

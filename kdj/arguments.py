@@ -187,6 +187,23 @@ def per_sequence(value, n: int, what: str) -> list:
     return [value] * n
 
 
+def seeds(value, n: int) -> tuple[list[int], bool]:
+    """(one seed per prompt, whether they were given per prompt): `value` one int or a list of
+    n ints, each in 0 .. 2**32 - 1."""
+    per_prompt = isinstance(value, (list, tuple))
+    out = [integer(s, "seed", 0) for s in per_sequence(value, n, "seed")]
+    if any(s >= 1 << 32 for s in out):
+        raise ValueError(f"seed must be < 2**32 (got {max(out)})")
+    return out, per_prompt
+
+
+def flag(value, name: str) -> bool:
+    """`value` as a bool; anything but True or False (1, "yes", None) is refused."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False (got {value!r})")
+    return bool(value)
+
+
 def max_new_tokens(value, n: int) -> list[int]:
     return [integer(m, "max_new_tokens", 1) for m in per_sequence(value, n, "max_new_tokens")]
 

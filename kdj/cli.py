@@ -20,6 +20,7 @@ DEFAULTS = {
         "seed": 0,
         "block_size": None,
         "tree_budget": None,
+        "deterministic": False,
     },
 }
 
@@ -67,6 +68,8 @@ def cmd_generate(args) -> int:
     for key in keys:
         if getattr(args, key) is not None:
             dec[key] = getattr(args, key)
+    if args.deterministic:
+        dec["deterministic"] = True
     target = kdj.load_target(run["target"], dtype=_dtype(run["dtype"]))
     drafter = kdj.load_drafter(run["drafter"], target=target) if run["drafter"] else None
     tok = target.tokenizer
@@ -288,6 +291,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, help=f"sampling temperature, 0 = greedy ({run} 0)")
     g.add_argument("--top-p", type=float, help=f"nucleus sampling mass in (0, 1] ({run} 1)")
     g.add_argument("--seed", type=int, help=f"sampling seed ({run} 0)")
+    g.add_argument("--deterministic", action="store_true",
+                   help="output independent of method, drafter and batch (kernels chosen per "
+                        f"row; {run} false)")  # fmt: skip
     g.add_argument(
         "--no-chat",
         action="store_true",

@@ -56,6 +56,12 @@ class KernelPolicy:
     # there are experts (1.0); XLA's gather also writes each copy out, so it stops earlier.
     gather_per_expert_kernel: float = 1.0
     gather_per_expert_xla: float = 0.25
+    # Deterministic mode (kdj.generate(deterministic=True)): every choice below is made
+    # without looking at how many rows are in flight, so a row's result is the same in a
+    # 1-token decode, a k-token verify and any batch: no one-row GEMVs (their XLA twin is a
+    # different reduction), no attention kernel (its slot split depends on batch, T and the
+    # prefix length), MoE always per-assignment with a split-K fixed per weight.
+    deterministic: bool = False
 
     def __post_init__(self):
         for name in FAMILIES:
@@ -84,12 +90,17 @@ class KernelPolicy:
     def replace(self, **kw) -> KernelPolicy:
         return dataclasses.replace(self, **kw)
 
+    def as_deterministic(self) -> KernelPolicy:
+        """This policy in deterministic mode (see `deterministic`)."""
+        return self.replace(deterministic=True)
+
     # Per-shape decisions (static: taken at trace time). The kernels' own `supported`
     # checks come on top of these.
     def dense_gemv_for(self, rows: int, weights: int) -> bool:
         """Whether a matmul of `rows` rows by a `weights`-element matrix runs the GEMV."""
         return (
             self.dense_gemv == PALLAS
+            and not self.deterministic
             and rows == 1
             and self.gemv_min_weights <= weights < self.gemv_max_weights
         )
@@ -97,17 +108,19 @@ class KernelPolicy:
     def head_gemv_for(self, rows: int) -> bool:
         """Whether per-head matmuls of `rows` rows per head run the GEMV (no size floor: XLA's
         form of this matvec, a reduction over the middle axis of [H, K, F], fuses nothing)."""
-        return self.head_gemv == PALLAS and rows == 1
+        return self.head_gemv == PALLAS and not self.deterministic and rows == 1
 
     def attention_kernel_for(self, T: int) -> bool:
         """Whether GQA attention of T new tokens runs the kernel: T > 1 (at T = 1 XLA's form
         is as fast up to ~8K of context)."""
-        return self.attention == PALLAS and T > 1
+        return self.attention == PALLAS and not self.deterministic and T > 1
 
     def latent_kernel_for(self, T: int, heads: int, capacity: int) -> bool:
         """Whether MLA attention of T new tokens x `heads` over a `capacity`-slot cache runs
         the kernel."""
         decode = T == 1 and capacity >= self.latent_min_decode_capacity
+        if self.deterministic:
+            return False
         return self.latent_attention == PALLAS and (decode or T * heads >= self.latent_min_rows)
 
     def min_split_blocks(self, T: int) -> int:
@@ -118,6 +131,17 @@ class KernelPolicy:
         """Assignments per expert up to which MoE gathers experts (the GEMV path), with or
         without the expert GEMV kernel."""
         return self.gather_per_expert_kernel if expert_kernel else self.gather_per_expert_xla
+
+    def gathers(self, assignments: int, experts: int, expert_kernel: bool) -> bool:
+        """Whether MoE takes the gathered (per-assignment) path for `assignments` over
+        `experts` experts, else grouped matmuls: always gathered when deterministic (each
+        assignment its own matvec, whatever the batch), else up to the gather limit."""
+        return self.deterministic or assignments <= self.gather_limit(expert_kernel) * experts
+
+    def split_rows(self, rows: int) -> int:
+        """The row count a GEMV sizes its split-K for: `rows`, or 1 when deterministic (one
+        reduction order per weight, whatever the batch)."""
+        return 1 if self.deterministic else rows
 
 
 DEFAULT = KernelPolicy()  # the reference policy; its thresholds are the kernels' defaults

@@ -171,7 +171,7 @@ def broken_accept_tree(tree, valid, logits, key, temperature, top_p, limit, **kw
     last = jnp.take_along_axis(path, a[:, None], axis=1)[:, 0]
     row = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
     p = target_probs(row, temperature, top_p)
-    bonus = jax.random.categorical(jax.random.fold_in(key, 99), jnp.log(p), axis=-1)
+    bonus = jax.random.categorical(jax.random.fold_in(key[0], 99), jnp.log(p), axis=-1)
     return path, a, bonus.astype(jnp.int32)
 
 

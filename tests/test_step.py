@@ -47,7 +47,7 @@ def start(target, drafter):
     B, P = len(PROMPTS), max(map(len, PROMPTS))
     tokens = jnp.asarray([p + [0] * (P - len(p)) for p in PROMPTS], jnp.int32)
     lens = jnp.asarray([len(p) for p in PROMPTS], jnp.int32)
-    one, key = jnp.float32(1.0), jax.random.key(0)
+    one, key = jnp.float32(1.0), jax.random.split(jax.random.key(0), B)
     dg = ds = dcache = None
     if drafter is not None:
         dg, ds = drafter.graphdef, drafter.state
@@ -152,7 +152,7 @@ def test_accept_and_commit_take_the_verified_prefix_plus_the_bonus(models):
     tree = chain_of(wrong)
     verified = verify_(state.tcache, state.last, tree)
     one = jnp.float32(1.0)
-    args = (jax.random.key(0), one, one)
+    args = (jax.random.split(jax.random.key(0), 2), one, one)
     acc = accept_(tree, verified, jnp.asarray([9, 1]), *args)
     assert acc.a.tolist() == [2, 1]  # row 1 is held to one draft by its limit
     assert acc.bonus.tolist() == [bonus[0], good[1][1]]

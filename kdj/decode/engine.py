@@ -30,6 +30,7 @@ from flax import nnx
 
 from kdj.cache import init_cache
 from kdj.decode.loop import prefill
+from kdj.decode.sampling import request_keys
 from kdj.decode.state import DecodeState, is_stop
 from kdj.decode.step import plain_step
 from kdj.handles import Target
@@ -44,6 +45,7 @@ class Request:
     stop: list[int]
     temperature: float = 0.0
     top_p: float = 1.0
+    seed: int | None = None  # its samples' seed (None: one derived from the pool's and its id)
     id: int = -1  # set by Engine.submit
 
 
@@ -80,15 +82,15 @@ def run_chunk(tgraph, tstate, state: DecodeState, bound, *, greedy) -> DecodeSta
 
 
 @functools.partial(jax.jit, static_argnames=("tgraph", "greedy"), donate_argnames=("state",))
-def admit(tgraph, tstate, state: DecodeState, tokens, lens, slots, max_new, stop, temps, *,
-          greedy) -> DecodeState:  # fmt: skip
+def admit(tgraph, tstate, state: DecodeState, tokens, lens, slots, max_new, stop, temps, seeds,
+          *, greedy) -> DecodeState:  # fmt: skip
     """Prefill newcomers tokens [A, P] and write them into pool rows `slots` [A] (B: padding,
     dropped). The prefill cache holds P slots only: the pool keeps the rest."""
     target = nnx.merge(tgraph, tstate)
     A, P = tokens.shape
     cache = init_cache(target.cfg, A, P, state.tcache.k[0].dtype)
-    key = jax.random.fold_in(state.key, -1 - state.step)  # apart from the steps' keys
-    pre = prefill(tgraph, tstate, None, None, tokens, lens, cache, None, key, temps[:, None],
+    keys = request_keys(seeds, shared=True)  # a request's samples: (its seed, position)
+    pre = prefill(tgraph, tstate, None, None, tokens, lens, cache, None, keys, temps[:, None],
                   state.top_p, greedy=greedy)  # fmt: skip
 
     def put(pool, new):
@@ -112,7 +114,7 @@ def admit(tgraph, tstate, state: DecodeState, tokens, lens, slots, max_new, stop
         state, tcache=tcache, last=set_(state.last, pre.first), out=set_(state.out, row),
         n=set_(state.n, jnp.ones((A,), jnp.int32)), done=set_(state.done, done),
         max_new=set_(state.max_new, max_new), stop_ids=set_(state.stop_ids, stop),
-        temperature=set_(state.temperature, temps[:, None]),
+        temperature=set_(state.temperature, temps[:, None]), key=set_(state.key, keys),
     )  # fmt: skip
 
 
@@ -120,8 +122,9 @@ class Engine:
     """A pool of `max_batch` slots of `cache_size` tokens each; each request emits at most
     `max_new_cap` tokens. The running slots share a `Mode`: greedy (exact argmax) or sampled
     at one top_p, each slot at its own temperature; the pool switches mode when it drains.
-    Sampled tokens come from the pool's key stream (`seed`), so a request's samples depend
-    on its neighbours (same distribution). Not thread-safe: one thread drives `step`."""
+    A request's token at position p is sampled with a key from (its seed, p), so its samples
+    do not depend on its neighbours; without a seed of its own it gets one from `seed` and its
+    id. Not thread-safe: one thread drives `step`."""
 
     def __init__(self, target: Target, max_batch: int, cache_size: int, max_new_cap: int,
                  *, chunk_steps: int = 32, seed: int = 0):  # fmt: skip
@@ -149,7 +152,8 @@ class Engine:
             tcache=init_cache(t.cfg, B, self.S, t.dtype), dcache=None, last=zeros(),
             pending=None, n_pend=None, out=jnp.zeros((B, N), jnp.int32), n=zeros(),
             done=jnp.ones((B,), bool), max_new=zeros(), stop_ids=jnp.full((B, STOP_WIDTH), -1),
-            key=jax.random.key(self.seed), temperature=jnp.ones((B, 1), jnp.float32),
+            key=request_keys(np.zeros(B, np.uint32), shared=True),
+            temperature=jnp.ones((B, 1), jnp.float32),
             top_p=jnp.float32(1.0), calibration=jnp.float32(1.0), step=jnp.int32(0),
             stats=None, auto=None,
         )  # fmt: skip
@@ -240,16 +244,18 @@ class Engine:
         tokens = np.zeros((A, P), np.int32)
         lens, slots = np.ones(A, np.int32), np.full(A, self.B, np.int32)
         max_new, temps = np.ones(A, np.int32), np.ones(A, np.float32)
+        seeds = np.zeros(A, np.uint32)
         stop = np.full((A, STOP_WIDTH), -1, np.int32)
         for i, (r, b) in enumerate(zip(take, free)):
             tokens[i, : len(r.tokens)] = r.tokens
             lens[i], slots[i], max_new[i] = len(r.tokens), b, r.max_new
             temps[i] = max(r.temperature, 1e-6)
+            seeds[i] = r.seed if r.seed is not None else (self.seed * 1_000_003 + r.id) % 2**32
             stop[i, : len(r.stop)] = r.stop
             self.slots[b], self.sent[b] = r, 0
         t = self.target
         self.state = dataclasses.replace(self.state, top_p=jnp.float32(mode.top_p))
-        args = (self.state, *map(jnp.asarray, (tokens, lens, slots, max_new, stop, temps)))
+        args = (self.state, *map(jnp.asarray, (tokens, lens, slots, max_new, stop, temps, seeds)))
         fn = t.executables.get(admit, t.graphdef, t.state, *args, greedy=self.greedy)
         self.state = fn(t.state, *args)
 
@@ -271,13 +277,16 @@ class Engine:
 
 def generate_stream(target: Target, prompts: list[list[int]], max_batch: int, max_new: list[int],
                     stop: list[list[int]], *, cache_size: int, temperature: float = 0.0,
-                    top_p: float = 1.0, seed: int = 0, chunk_steps: int = 32):  # fmt: skip
+                    top_p: float = 1.0, seed: int = 0, seeds: list[int] | None = None,
+                    chunk_steps: int = 32):  # fmt: skip
     """Generated tokens of every prompt (token ids), streamed through a pool of `max_batch`
-    slots; each list ends at its first stop token or its budget."""
+    slots; each list ends at its first stop token or its budget. seeds: one per prompt (its
+    samples then do not depend on the other prompts); else each is derived from `seed`."""
     engine = Engine(target, max_batch, cache_size, max(max_new), chunk_steps=chunk_steps,
                     seed=seed)  # fmt: skip
-    ids = [engine.submit(Request(list(p), m, list(s), temperature, top_p))
-           for p, m, s in zip(prompts, max_new, stop)]  # fmt: skip
+    seeds = seeds if seeds is not None else [None] * len(prompts)
+    ids = [engine.submit(Request(list(p), m, list(s), temperature, top_p, seed))
+           for p, m, s, seed in zip(prompts, max_new, stop, seeds)]  # fmt: skip
     got: dict[int, list[int]] = {i: [] for i in ids}
     while engine.busy:
         for u in engine.step():

@@ -20,7 +20,7 @@ from flax import nnx
 
 from kdj.decode import auto
 from kdj.decode import tree as trees
-from kdj.decode.sampling import sample
+from kdj.decode.sampling import position_keys, sample
 from kdj.decode.state import DecodeState, Plan, Prefilled, init_state
 from kdj.decode.step import (
     accept,
@@ -52,7 +52,7 @@ def prefill(tgraph, tstate, dgraph, dstate, tokens, prompt_lens, tcache, dcache,
     logits, tcache, tapped = target(
         tokens, start, tcache, taps=taps, logits_at=(prompt_lens - 1)[:, None]
     )
-    first = sample(logits[:, 0], jax.random.fold_in(key, 0), temperature, top_p, greedy)
+    first = sample(logits[:, 0], position_keys(key, prompt_lens), temperature, top_p, greedy)
     if drafter is not None:
         dcache = drafter.add_context(features(tapped), start, dcache).with_lengths(prompt_lens)
     return Prefilled(first, tcache.with_lengths(prompt_lens), dcache)
@@ -112,7 +112,7 @@ def check(shape, target, taps, plan, lp, full, tcache, last, limit, key, tempera
 
 def drafted_step(target, drafter, state: DecodeState, plan: Plan) -> DecodeState:
     """draft -> propose -> verify -> accept -> commit, plus the step's records."""
-    i, key, active, limit = state.step, state.step_key, state.active, limits(state)
+    i, key, active, limit = state.step, state.key, state.active, limits(state)
     L = state.tcache.lengths  # before the step
     context = auto.mean_context(L, active)
     with scope("draft"):

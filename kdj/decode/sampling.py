@@ -1,9 +1,36 @@
-"""Turning target logits into tokens: greedy, or temperature + top-p sampling."""
+"""Turning target logits into tokens: greedy, or temperature + top-p sampling.
+
+A sampled token is keyed by (its sequence's key, its absolute position in the sequence):
+the token at position p of sequence b is the argmax of log p + Gumbel noise drawn with
+fold_in(keys[b], p) (Gumbel-max: a draw from p). The noise depends on neither the batch row,
+the step nor how many tokens a pass verifies, so a speculative step's token at p, given the
+same prefix and logits, IS plain decoding's token at p: the emitted sequence is AR's.
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+
+def request_keys(seeds, shared: bool) -> jax.Array:
+    """Per-sequence PRNG keys [B] from `seeds` (one int per sequence). shared=False (one seed
+    for the whole batch, default mode): sequence b draws fold_in(key(seed), b), so equal
+    prompts in a batch sample independently; shared=True: sequence b draws key(seeds[b]),
+    whatever its row (per-prompt seeds, deterministic mode)."""
+    if shared:
+        return jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32))
+    base = jax.random.key(seeds[0])
+    return jax.vmap(lambda b: jax.random.fold_in(base, b))(jnp.arange(len(seeds)))
+
+
+def position_keys(keys, positions) -> jax.Array:
+    """keys [B] (one per sequence), positions [B, ...] int32 absolute positions of the tokens
+    to sample -> keys [B, ...]: fold_in(keys[b], position)."""
+    B = positions.shape[0]
+    rows = jnp.broadcast_to(jnp.arange(B).reshape(B, *[1] * (positions.ndim - 1)), positions.shape)
+    flat = jax.vmap(jax.random.fold_in)(keys[rows.reshape(-1)], positions.reshape(-1))
+    return flat.reshape(positions.shape)
 
 
 def target_probs(logits, temperature, top_p):
@@ -26,9 +53,17 @@ def target_probs(logits, temperature, top_p):
     return jax.lax.cond(top_p >= 1.0, lambda p: p, nucleus, probs)
 
 
-def sample(logits, key, temperature, top_p, greedy: bool):
-    """logits [B, V] float32 -> tokens [B] int32. `greedy` is static (T = 0)."""
+def perturbed(logits, keys, temperature, top_p):
+    """log p + Gumbel noise, one draw per key: its argmax over V is a sample from p.
+    logits [..., V] float32, keys [...] (from position_keys) -> [..., V] float32."""
+    V = logits.shape[-1]
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys.reshape(-1))
+    return jnp.log(target_probs(logits, temperature, top_p)) + noise.reshape(logits.shape)
+
+
+def sample(logits, keys, temperature, top_p, greedy: bool):
+    """logits [..., V] float32 -> tokens [...] int32; keys [...] from position_keys (unused
+    when `greedy`, static: T = 0)."""
     if greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    p = target_probs(logits, temperature, top_p)
-    return jax.random.categorical(key, jnp.log(p), axis=-1).astype(jnp.int32)
+    return jnp.argmax(perturbed(logits, keys, temperature, top_p), axis=-1).astype(jnp.int32)

@@ -87,7 +87,7 @@ class DecodeState:
     done: jax.Array  # [B] bool hit a stop token or its budget
     max_new: jax.Array  # [B] int32 per-sequence token budget
     stop_ids: jax.Array  # [B, K] int32 (-1 = unused)
-    key: jax.Array  # PRNG key; step i samples with fold_in(key, i + 1)
+    key: jax.Array  # [B] PRNG keys: the token at position p samples with fold_in(key[b], p)
     temperature: jax.Array  # [] float32
     top_p: jax.Array  # [] float32
     calibration: jax.Array  # [] float32 forecast temperature of the drafter
@@ -98,10 +98,6 @@ class DecodeState:
     @property
     def active(self):
         return ~self.done
-
-    @property
-    def step_key(self):
-        return jax.random.fold_in(self.key, self.step + 1)
 
     def output(self) -> LoopOutput:
         return LoopOutput(self.out, self.n, self.step, self.stats)

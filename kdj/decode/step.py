@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from kdj.decode import tree as trees
-from kdj.decode.sampling import sample
+from kdj.decode.sampling import perturbed, position_keys, sample
 from kdj.decode.state import DecodeState, is_stop
 
 
@@ -64,7 +64,8 @@ def plain_step(target, state: DecodeState, greedy: bool, taps=()) -> DecodeState
     features of `last` for the drafter's context (taken in by `flush`)."""
     L, active = state.tcache.lengths, state.active
     logits, tcache, tapped = target(state.last[:, None], L, state.tcache, taps=taps)
-    nxt = sample(logits[:, 0], state.step_key, state.temperature, state.top_p, greedy)
+    keys = position_keys(state.key, L + 1)  # the new token sits at position L + 1
+    nxt = sample(logits[:, 0], keys, state.temperature, state.top_p, greedy)
     B, N = state.out.shape
     out = state.out.at[jnp.arange(B), jnp.where(active, state.n, N)].set(nxt, mode="drop")
     n = state.n + active
@@ -121,13 +122,20 @@ def verify(target, tcache, last, tree, taps=()) -> Verified:
     return Verified(tokens, valid, logits, feats, tcache)
 
 
-def accept(tree, verified: Verified, limit, key, temperature, top_p, *, block_size: int,
+def accept(tree, verified: Verified, limit, keys, temperature, top_p, *, block_size: int,
            greedy: bool) -> Accepted:  # fmt: skip
     """The longest path along which every node equals the target's own token (argmax or a
-    sample: lossless either way), at most `limit` [B] drafts, plus the bonus token."""
+    sample: lossless either way), at most `limit` [B] drafts, plus the bonus token. keys [B]:
+    each sequence's sampling key; the token after a node at depth d is drawn at position
+    L + d + 1 with its own key, as plain decoding draws it (sampling.py)."""
+    scores = verified.logits
+    if not greedy:  # the target's sample at each node is the argmax of its perturbed logits
+        depth = jnp.pad(tree["depth"], ((0, 0), (1, 0)))  # the root at depth 0
+        at = position_keys(keys, verified.tcache.lengths[:, None] + depth + 1)
+        scores = perturbed(scores, at, temperature, top_p)
     path, a, bonus = trees.accept_tree(
-        tree, verified.valid, verified.logits, key, temperature, top_p, limit,
-        max_depth=block_size - 1, greedy=greedy,
+        tree, verified.valid, scores, keys, temperature, top_p, limit,
+        max_depth=block_size - 1, greedy=True,
     )  # fmt: skip
     tokens = jnp.take_along_axis(verified.tokens, path[:, 1:], axis=1)
     feats = verified.features

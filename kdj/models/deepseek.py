@@ -163,7 +163,8 @@ class ExpertWeight:
         if not self.gemv_kernel(kernels):
             w = self.take(ids, x.dtype)
             return jnp.einsum("nd,nd...->n...", x, w, preferred_element_type=jnp.float32)
-        s = expert_gemv.splits(len(ids), *self.layout(), programs=kernels.gemv_programs)
+        rows = kernels.split_rows(len(ids))
+        s = expert_gemv.splits(rows, *self.layout(), programs=kernels.gemv_programs)
         y = expert_gemv.expert_gemv(x, ids, *self.matrix(), self.fmt, splits=s)
         return y.reshape(len(ids), *self.value.shape[2:])
 
@@ -376,7 +377,7 @@ def local_experts(x, weights, idx, w_gate_up, w_down, first, kernels: KernelPoli
     mine = (local >= 0) & (local < E_local)
     weights = jnp.where(mine, weights, 0.0)
     gemv = w_gate_up.gemv_kernel(kernels) and w_down.gemv_kernel(kernels)
-    few = idx.size <= kernels.gather_limit(gemv) * E_local
+    few = kernels.gathers(idx.size, E_local, gemv)
     if not few and w_gate_up.grouped_kernel(kernels) and w_down.grouped_kernel(kernels):
         # other shards' assignments (-1) get no rows at all
         return expert_swiglu_grouped(x, weights, jnp.where(mine, local, -1), w_gate_up, w_down)

@@ -83,13 +83,16 @@ def parse(body: Any, served: Served, chat: bool) -> Parsed:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ValueError("'stream' must be true or false")
-    _integer(body, "seed", 0, 0)  # checked; samples come from the pool's key stream
+    seed = _integer(body, "seed", 0, 0) if body.get("seed") is not None else None
+    if seed is not None and seed >= 2**32:
+        raise ValueError(f"'seed' must be below 2**32, got {seed}")
     request = Request(
         tokens=tokens,
         max_new=_integer(body, "max_tokens", served.max_tokens, 1),
         stop=list(served.stop_ids),
         temperature=_number(body, "temperature", served.temperature, 0.0, 100.0),
         top_p=_number(body, "top_p", served.top_p, 0.0, 1.0, lo_open=True),
+        seed=seed,
     )
     return Parsed(request, stream, tuple(stop))
 

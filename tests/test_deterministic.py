@@ -1,0 +1,153 @@
+"""Deterministic mode (kdj.generate(deterministic=True)): in bf16, tokens depend only on the
+target, the prompt, the sampling parameters and the prompt's seed; not on the method, the
+drafter, the batch or the run. Tiny dense and MLA/MoE targets with random drafters."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import kdj
+from kdj.cache import init_cache
+from kdj.config import ModelConfig
+from kdj.models import layers
+from kdj.models.transformer import build_model
+from tests.test_adaptive import switching  # noqa: F401 (fixture: auto visits every branch)
+from tests.test_speculative import make_drafter
+
+VOCAB = 16
+CONFIGS = {
+    "llama": {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 32,
+              "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 256},
+    "deepseek_v3": {"model_type": "deepseek_v3", "vocab_size": VOCAB, "hidden_size": 32,
+                    "intermediate_size": 64, "moe_intermediate_size": 16,
+                    "num_hidden_layers": 1, "num_attention_heads": 4, "n_routed_experts": 8,
+                    "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 0,
+                    "kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 8,
+                    "qk_rope_head_dim": 8, "v_head_dim": 8, "max_position_embeddings": 256},
+}  # fmt: skip
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2], [6], [5, 3, 5]]  # ragged
+REMIX = [1, 2, 0]  # the same prompts in other rows, beside other neighbours
+AUTO = dict(method="auto", menu=["none", "chain", "tree3"])
+METHODS = {  # the full set on the dense target; the MLA/MoE one (slower to compile) a part
+    "llama": [dict(method="dflash"), dict(method="ddtree", tree_budget=3),
+              dict(method="ddtree", tree_budget=9), AUTO],
+    "deepseek_v3": [dict(method="ddtree", tree_budget=9), AUTO],
+}  # fmt: skip
+RUN = dict(max_new_tokens=[14, 9, 12], stop_tokens=[], cache_size=64, deterministic=True)
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def pair(request):
+    cfg = ModelConfig.from_hf(CONFIGS[request.param])
+    target = kdj.Target.from_model(build_model(cfg, jnp.bfloat16, seed=1))
+    return request.param, target, make_drafter(target, layers=1, block=4, seed=2)
+
+
+def remixed(tokens):
+    return [tokens[i] for i in REMIX]
+
+
+def rows_match_steps(target, k=5) -> bool:
+    """Whether a k-token pass gives each row the same logits, bitwise, as k 1-token passes
+    (over a ragged committed prefix), and a row alone the same as inside the batch."""
+    model, cfg, dtype = target.model, target.cfg, target.dtype
+    B, P = 3, 6
+    toks = jax.random.randint(jax.random.key(0), (B, P + k), 0, cfg.vocab_size)
+    lens = jnp.asarray([6, 2, 4], jnp.int32)
+    run = jax.jit(lambda t, s, c: model(t, s, c)[:2])
+
+    def prefix(rows):
+        cache = init_cache(cfg, len(rows), 32, dtype)
+        return run(toks[rows, :P], jnp.zeros(len(rows), jnp.int32), cache)[1]
+
+    wide, _ = run(toks[:, P:], lens, prefix([0, 1, 2]))
+    cache, steps = prefix([0, 1, 2]), []
+    for i in range(k):
+        logits, cache = run(toks[:, P + i : P + i + 1], lens + i, cache)
+        steps.append(logits[:, 0])
+    alone, _ = run(toks[1:2, P:], lens[1:2], prefix([1]))
+    return bool((wide == jnp.stack(steps, 1)).all() and (alone[0] == wide[1]).all())
+
+
+def width_dependent_matmul(x, w, kernels):
+    """A matmul whose rounding depends on how many rows are in flight: two bf16 halves of K
+    summed when there are several rows (as a split-K chosen by M would)."""
+    if x.shape[-2] == 1:
+        return jnp.tensordot(x, w, axes=1)
+    h = x.shape[-1] // 2
+    return jnp.tensordot(x[..., :h], w[:h], axes=1) + jnp.tensordot(x[..., h:], w[h:], axes=1)
+
+
+def test_verify_rows_equal_decode_steps_and_the_check_catches_a_width_dependent_op(
+    pair, monkeypatch
+):
+    _, target, _ = pair
+    det = target.with_kernels(target.cfg.kernels.as_deterministic())
+    assert rows_match_steps(det)
+    monkeypatch.setattr(layers, "matmul", width_dependent_matmul)
+    assert not rows_match_steps(det)
+
+
+def check_all_methods(family, target, drafter, ar, **kw):
+    """Every method's tokens equal `ar` in the batch, and some drafts were accepted."""
+    accepted = 0
+    for spec in METHODS[family]:
+        out = kdj.generate(target, PROMPTS, drafter=drafter, **spec, **kw, **RUN)
+        assert out.tokens == ar.tokens, spec
+        accepted += sum(out.stats["acceptance_histogram"][1:])
+    assert accepted > 0, "no draft was ever accepted: the comparison tests nothing"
+
+
+def test_greedy_tokens_do_not_depend_on_method_batch_or_run(pair, switching):  # noqa: F811
+    family, target, drafter = pair
+    ar = kdj.generate(target, PROMPTS, method="ar", **RUN)
+    assert kdj.generate(target, PROMPTS, method="ar", **RUN).tokens == ar.tokens  # run to run
+    mixed = dict(RUN, max_new_tokens=remixed(RUN["max_new_tokens"]))
+    assert kdj.generate(target, remixed(PROMPTS), method="ar", **mixed).tokens == remixed(ar.tokens)
+    check_all_methods(family, target, drafter, ar)
+    # a prompt alone (row 0) equals its row inside the batch (row 1), speculative too
+    alone = dict(RUN, max_new_tokens=RUN["max_new_tokens"][1])
+    out = kdj.generate(target, [PROMPTS[1]], drafter=drafter, **METHODS[family][-2], **alone)
+    assert out.tokens == [ar.tokens[1]]
+
+
+def test_sampled_tokens_are_ar_samples_for_each_prompts_seed(pair, switching):  # noqa: F811
+    family, target, drafter = pair
+    seeds, sampled = [11, 12, 13], dict(temperature=1.0, top_p=0.9)
+    ar = kdj.generate(target, PROMPTS, method="ar", seed=seeds, **sampled, **RUN)
+    check_all_methods(family, target, drafter, ar, seed=seeds, **sampled)
+    # a prompt's samples follow its seed, not its row: remixed, or one int for every prompt
+    mixed = dict(RUN, max_new_tokens=remixed(RUN["max_new_tokens"]), **sampled)
+    out = kdj.generate(target, remixed(PROMPTS), method="ar", seed=remixed(seeds), **mixed)
+    assert out.tokens == remixed(ar.tokens)
+    out = kdj.generate(target, PROMPTS, method="ar", seed=12, **sampled, **RUN)
+    assert out.tokens[1] == ar.tokens[1] and out.tokens[0] != ar.tokens[0]
+    greedy = kdj.generate(target, PROMPTS, method="ar", **RUN)
+    assert ar.tokens != greedy.tokens  # it does sample
+
+
+def test_default_mode_samples_do_not_depend_on_the_row(pair):
+    """Per-prompt seeds: a prompt's samples are its own in the default mode too; one seed
+    for the batch: each row draws its own stream (equal prompts differ)."""
+    family, target, _ = pair
+    if family != "llama":
+        pytest.skip("the sampling keys do not depend on the family")
+    kw = dict(method="ar", temperature=1.0, max_new_tokens=10, stop_tokens=[], cache_size=64)
+    batch = kdj.generate(target, PROMPTS, seed=[4, 5, 6], **kw).tokens
+    assert kdj.generate(target, remixed(PROMPTS), seed=[5, 6, 4], **kw).tokens == remixed(batch)
+    same = kdj.generate(target, [PROMPTS[1]] * 3, seed=5, **kw).tokens
+    assert same[0] != same[1]
+
+
+def test_bad_deterministic_and_seed_arguments(pair):
+    _, target, _ = pair
+    kw = dict(method="ar", max_new_tokens=2)
+    with pytest.raises(TypeError, match="deterministic"):
+        kdj.generate(target, PROMPTS, deterministic="yes", **kw)
+    with pytest.raises(ValueError, match="seed has 2 entries for 3 prompts"):
+        kdj.generate(target, PROMPTS, seed=[1, 2], **kw)
+    with pytest.raises(ValueError, match="seed must be >= 0"):
+        kdj.generate(target, PROMPTS, seed=-1, **kw)
