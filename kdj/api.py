@@ -17,7 +17,7 @@ import numpy as np
 
 from kdj import arguments
 from kdj.cache import init_cache
-from kdj.decode import auto, engine, loop
+from kdj.decode import auto, engine, loop, tune
 from kdj.decode.sampling import request_keys
 from kdj.decode.state import Plan, Prefilled
 from kdj.handles import Drafter, Target, check_pair
@@ -76,7 +76,9 @@ def generate(
     `menu` (default auto.DEFAULT_MENU: "none", "chain", "chainN", "treeN") what maximises
     expected tokens per second, from the drafter's confidence (temperature-scaled by
     `calibration`, default the drafter's fitted one) and `cost` (a kdj.cost.StepCost or its
-    JSON path, as `kdj bench` fits it; default: an estimate from the target's shapes). Before
+    JSON path: an override; "tune": time this machine's steps first, said on stderr; default:
+    the cost `kdj tune` cached for this pair, device and batch bucket, else an estimate from
+    the target's shapes). Before
     compiling, auto drops the entries that cannot pay at this batch size (auto.paying_menu;
     stats["menu"] lists the rest); with none left it runs plain decoding, every step a
     "skip". max_new_tokens may be one int or one per prompt; stop_tokens one list or one list
@@ -189,9 +191,11 @@ def make_plan(opts: Options, target, drafter, batch, greedy: bool, cost):
     max_steps, shapes = max(batch.max_new), opts.shapes
     if opts.method == "ar":
         return Plan(greedy, max_steps), [0.0], shapes
+    context = float(np.mean(batch.lens) + np.mean(batch.max_new) / 2)  # decode's mean
+    if len(shapes) > 1:  # this machine's tuned cost when cached (kdj/decode/tune.py)
+        cost = tune.resolve(cost, target, drafter, shapes, len(batch.lens), context)
     cost = auto.step_cost(cost, target, drafter) if len(shapes) > 1 else None
     if opts.method == "auto" and len(shapes) > 1:
-        context = float(np.mean(batch.lens) + np.mean(batch.max_new) / 2)  # decode's mean
         priors = (drafter.prior_acceptance, drafter.entry_acceptance)
         shapes = auto.paying_menu(shapes, cost, len(batch.lens), context, *priors)
     if all(s.kind == "none" for s in shapes):

@@ -225,6 +225,21 @@ def cmd_eval_acceptance(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    """Time auto's steps for each batch bucket, print the table, cache the fitted costs."""
+    import kdj
+    from kdj.decode import auto, tune
+
+    target = kdj.load_target(args.target, dtype=_dtype(args.dtype))
+    drafter = kdj.load_drafter(args.drafter, target=target)
+    shapes = auto.parse_menu("auto", args.menu, drafter.cfg.block_size, None)
+    for batch in args.batch:
+        _, timings, path = tune.tune(target, drafter, shapes, batch, args.context)
+        print(tune.table(timings))
+        print(f"saved {path}")
+    return 0
+
+
 def cmd_calibrate(args) -> int:
     import kdj
     from kdj.train import calibrate
@@ -417,6 +432,15 @@ def parser() -> argparse.ArgumentParser:
         help="write calibration.json beside the drafter (default: only print)",
     )
     k.set_defaults(fn=cmd_calibrate)
+
+    u = sub.add_parser("tune", help="time auto's steps on this machine and cache the costs")
+    u.add_argument("--drafter", required=True, help="DFlash drafter dir or built-in name")
+    u.add_argument("--target", default="smollm2-135m-instruct", help="its target" + d)
+    u.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto" + d)
+    u.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes" + d)
+    u.add_argument("--context", type=int, default=256, help="tokens per sequence" + d)
+    u.add_argument("--menu", nargs="+", default=None, help="auto's menu (default: its own)")
+    u.set_defaults(fn=cmd_tune)
     return p
 
 

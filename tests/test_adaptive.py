@@ -28,8 +28,9 @@ def test_expected_tokens_is_one_plus_the_tree_probability_mass():
     lp = jax.nn.log_softmax(jax.random.normal(jax.random.key(0), (1, 3, 4)) * 2, axis=-1)
     p = np.exp(np.asarray(lp[0], np.float64))
     for shape in (DraftShape("tree", 7), DraftShape("chain", 3), DraftShape("none")):
-        tree = trees.draft_tree(shape, lp, trees.build_trees(lp, 20))
-        got = float(trees.expected_tokens(shape, tree, lp)[0])
+        dist = trees.Draft.of(lp)
+        tree = trees.draft_tree(shape, dist, trees.build_trees(lp, 20))
+        got = float(trees.expected_tokens(shape, tree, dist)[0])
         # brute force: every node's prefix probability under the factorised drafter
         want = 1.0
         toks, depth, parent = (np.asarray(tree[k][0]) for k in ("tokens", "depth", "parent"))
@@ -168,14 +169,14 @@ def test_controller_prefers_plain_decoding_when_verify_tokens_are_dear():
     base = StepCost.for_config(moonlight())
     dear = dataclasses.replace(base, fixed_s=0.0, per_byte_s=0.0, per_flop_s=1.0)
     free = dataclasses.replace(base, fixed_s=1.0, per_byte_s=0.0, per_flop_s=0.0)
-    gains = auto.expected(shapes, lp, full, 1.0)  # [S, B]
+    gains = auto.expected(shapes, trees.Draft.of(lp), full, 1.0)  # [S, B]
     assert shapes[int(auto.choose(shapes, gains, active, dear, 100.0))].kind == "none"
     i = auto.choose(shapes, gains, active, free, 100.0)
     assert shapes[int(i)] == DraftShape("tree", 12)  # same cost: the most expected tokens
     total = gains.sum(axis=1)
     assert float(total[2]) >= float(total[1]) >= float(total[0]) == 2.0
     # a hotter calibration spreads the drafter's mass: it forecasts fewer accepted tokens
-    hot = auto.expected(shapes, lp, full, 2.0)
+    hot = auto.expected(shapes, trees.Draft.of(lp), full, 2.0)
     assert float(hot[2].sum()) < float(total[2])
 
 

@@ -91,21 +91,23 @@ def test_draft_gives_log_probs_and_ignores_queue_padding(models):
     target, drafter = models
     state = start(target, drafter)
     run = jax.jit(lambda s: draft(target.model, drafter.model, s, K))
-    lp, after = run(state)
+    dist, after = run(state)
+    lp = dist.logits - dist.lse[..., None]
     assert lp.shape == (2, K - 1, target.cfg.vocab_size)
     np.testing.assert_allclose(jax.nn.logsumexp(lp, axis=-1), 0.0, atol=1e-5)
     assert after.dcache.lengths.tolist() == state.dcache.lengths.tolist()  # commit moves it
     # nothing queued (n_pend = 0): whatever the queue's padding holds is never seen
     junk = jax.random.normal(jax.random.key(3), state.pending.shape)
-    lp_junk, _ = run(dataclasses.replace(state, pending=junk))
-    np.testing.assert_allclose(lp_junk, lp, atol=1e-5)
+    junk_dist, _ = run(dataclasses.replace(state, pending=junk))
+    np.testing.assert_allclose(junk_dist.logits - junk_dist.lse[..., None], lp, atol=1e-5)
 
 
 def test_propose_chain_is_the_argmax_and_a_tree_slices_the_largest(models):
     lp = jax.nn.log_softmax(jax.random.normal(jax.random.key(1), (2, K - 1, 12)), axis=-1)
     run = jax.jit(propose, static_argnums=0)
+    lp = trees.Draft.of(lp)
     chain = run(trees.DraftShape("chain", K - 1), lp)
-    assert chain["tokens"].tolist() == jnp.argmax(lp, -1).tolist()
+    assert chain["tokens"].tolist() == jnp.argmax(lp.logits, -1).tolist()
     full = run(trees.DraftShape("tree", 8), lp)
     small = run(trees.DraftShape("tree", 3), lp, full)
     alone = run(trees.DraftShape("tree", 3), lp)
@@ -116,7 +118,7 @@ def test_propose_chain_is_the_argmax_and_a_tree_slices_the_largest(models):
 def chain_of(tokens):
     """A chain tree over tokens [B, N] (what propose("chain") returns)."""
     lp = jax.nn.one_hot(jnp.asarray(tokens), 12) * 10.0
-    return trees.chain_trees(jax.nn.log_softmax(lp, -1))
+    return trees.chain_trees(trees.Draft.of(jax.nn.log_softmax(lp, -1)))
 
 
 def test_verify_equals_the_causal_pass_over_root_and_chain(models):

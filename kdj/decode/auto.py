@@ -153,13 +153,13 @@ def paying_menu(shapes, cost, batch: int, context: float, prior: float, measured
 
 
 # ---------------------------------------------------------------------- in the loop
-def expected(shapes, lp, full, calibration):
-    """Expected committed tokens [S, B] of every menu shape for every sequence, from the draft
-    log-probs lp [B, L, V] recalibrated by temperature `calibration` (fitted on held-out data
+def expected(shapes, draft, full, calibration):
+    """Expected committed tokens [S, B] of every menu shape for every sequence, from the
+    draft (a tree.Draft) recalibrated by temperature `calibration` (fitted on held-out data
     by kdj.train.calibrate; 1.0 = as the drafter says). full: the menu's largest tree (or
     None)."""
-    lp_cal = jax.nn.log_softmax(lp * (1.0 / calibration), axis=-1)
-    rows = [trees.expected_tokens(s, trees.draft_tree(s, lp, full), lp_cal) for s in shapes]
+    rows = [trees.expected_tokens(s, trees.draft_tree(s, draft, full), draft, calibration)
+            for s in shapes]  # fmt: skip
     return jnp.stack(rows)
 
 

@@ -97,10 +97,10 @@ def run(target, drafter, state: DecodeState, plan: Plan) -> DecodeState:
     return jax.lax.while_loop(lambda s: running(s, plan), body, state)
 
 
-def check(shape, target, taps, plan, lp, full, tcache, last, limit, key, temperature, top_p):
+def check(shape, target, taps, plan, dist, full, tcache, last, limit, key, temperature, top_p):
     """propose -> verify -> accept for one menu entry (one branch of auto's switch)."""
     with scope("propose"):
-        tree = propose(shape, lp, full)
+        tree = propose(shape, dist, full, limit, tcache.capacity - 1 - tcache.lengths)
     with scope("verify"):
         verified = verify(target, tcache, last, tree, taps)
     with scope("accept"):
@@ -116,14 +116,14 @@ def drafted_step(target, drafter, state: DecodeState, plan: Plan) -> DecodeState
     L = state.tcache.lengths  # before the step
     context = auto.mean_context(L, active)
     with scope("draft"):
-        lp, state = draft(target, drafter, state, plan.block_size)
+        dist, state = draft(target, drafter, state, plan.block_size)
     with scope("propose"):  # one build of the menu's largest tree: smaller ones are its nodes
         built = auto.largest_tree(plan.menu)
-        full = trees.build_trees(lp, built) if built else None
+        full = trees.draft_trees(dist, built) if built else None
     with scope("forecast"):
-        raw = auto.expected(plan.menu, lp, full, state.calibration)  # [S, B]
+        raw = auto.expected(plan.menu, dist, full, state.calibration)  # [S, B]
     taps = drafter.cfg.target_layer_ids
-    args = (lp, full, state.tcache, state.last, limit, key, state.temperature, state.top_p)
+    args = (dist, full, state.tcache, state.last, limit, key, state.temperature, state.top_p)
     if plan.adaptive:
         gains = auto.corrected(raw, state.auto.hits)
         choice = auto.choose(plan.menu, gains, active, plan.cost, context)

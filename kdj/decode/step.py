@@ -94,21 +94,24 @@ def flush(drafter, state: DecodeState) -> DecodeState:
 
 def draft(target, drafter, state: DecodeState, k: int):
     """Take in the pending context (at most k features: a drafted step queues a + 1), then
-    run the block at slots L .. L + k - 1. Returns (lp [B, k - 1, V] float32 draft
-    log-probabilities of depths 1 .. k - 1, state with the drafter's cache written)."""
+    run the block at slots L .. L + k - 1. Returns (tree.Draft of depths 1 .. k - 1: logits
+    [B, k - 1, V] float32 and their log-normaliser, state with the drafter's cache
+    written)."""
     B, L = state.last.shape[0], state.dcache.lengths
     dcache = drafter.add_context(state.pending[:, :k], L - state.n_pend, state.dcache)
     block = jnp.full((B, k), drafter.cfg.mask_token_id, jnp.int32).at[:, 0].set(state.last)
     positions = L[:, None] + jnp.arange(k, dtype=jnp.int32)
     h = drafter(target.embed[...][block], positions, dcache)
-    lp = jax.nn.log_softmax(target.logits(h[:, 1:]), axis=-1)
-    return lp, dataclasses.replace(state, dcache=dcache)
+    return trees.Draft.of(target.logits(h[:, 1:])), dataclasses.replace(state, dcache=dcache)
 
 
-def propose(shape: trees.DraftShape, lp, full=None):
+def propose(shape: trees.DraftShape, dist: trees.Draft, full=None, limit=None, room=None):
     """The tree a step verifies for `shape` (a build_trees dict, [B, N] arrays); `full`: a
-    tree of at least shape.size nodes to slice instead of building again."""
-    return trees.draft_tree(shape, lp, full)
+    tree of at least shape.size nodes to slice instead of building again. With limit [B]
+    (drafts each row may accept) and room [B] (cache slots after the root), only the nodes
+    that can still be committed, laid first (trees.committable)."""
+    tree = trees.draft_tree(shape, dist, full)
+    return tree if limit is None else trees.committable(tree, limit, room)
 
 
 def verify(target, tcache, last, tree, taps=()) -> Verified:

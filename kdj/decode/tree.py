@@ -12,6 +12,7 @@ Static shapes, no host round trip, no heap.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,11 +40,42 @@ class DraftShape:
         return self.kind if self.kind == "none" else f"{self.kind}{self.size}"
 
 
-def _beams(lp, budget: int):
-    """lp [L, V] -> per-depth beams: scores [L, B], tokens [L, B], parent beam index [L, B]."""
-    L, V = lp.shape
-    K = min(budget, V)
-    top_lp, top_tok = jax.lax.top_k(lp, K)  # [L, K]
+class Draft(NamedTuple):
+    """The drafter's per-depth distributions as a step reads them: logits [B, L, V] float32
+    and their log-normaliser lse [B, L] (log-probs = logits - lse). No [B, L, V] log-softmax
+    is formed: a chain reads the argmax, a tree the top-K per depth, the forecast a gather
+    and one more normaliser."""
+
+    logits: jax.Array
+    lse: jax.Array
+
+    @classmethod
+    def of(cls, logits) -> Draft:
+        x = jnp.asarray(logits, jnp.float32)
+        return cls(x, jax.nn.logsumexp(x, axis=-1))
+
+    def top(self, k: int):
+        """(log-probs [B, L, K] descending, tokens [B, L, K]) of the K most probable tokens."""
+        values, tokens = jax.lax.top_k(self.logits, min(k, self.logits.shape[-1]))
+        return values - self.lse[..., None], tokens
+
+    def head(self, n: int) -> Draft:
+        """Depths 1..n only."""
+        return Draft(self.logits[:, :n], self.lse[:, :n])
+
+    def calibrated(self, depth, tokens, calibration):
+        """log-probs [B, N] of tokens [B, N] at depths [B, N] (1-based) with the logits
+        divided by temperature `calibration`."""
+        x = self.logits / calibration
+        lse = jax.nn.logsumexp(x, axis=-1)  # [B, L]
+        rows = jnp.arange(x.shape[0])[:, None]
+        return x[rows, depth - 1, tokens] - lse[rows, depth - 1]
+
+
+def _beams(top_lp, top_tok, budget: int):
+    """The top-K log-probs and tokens of each depth [L, K] (descending) -> per-depth beams:
+    scores [L, B], tokens [L, B], parent beam index [L, B]."""
+    K = top_lp.shape[1]
     pad = budget - K  # a beam wider than the vocabulary: pad depth 1 with impossible entries
     s0 = jnp.concatenate([top_lp[0], jnp.full((pad,), -jnp.inf)])
     t0 = jnp.concatenate([top_tok[0], jnp.zeros((pad,), jnp.int32)])
@@ -63,17 +95,25 @@ def _beams(lp, budget: int):
 
 
 def build_tree(lp, budget: int):
-    """The top-`budget` prefixes of one sequence's draft distribution.
+    """The top-`budget` prefixes of one sequence's draft distribution, lp [L, V] float32
+    log-probabilities (see build_tree_from_top)."""
+    top_lp, top_tok = jax.lax.top_k(lp.astype(jnp.float32), min(budget, lp.shape[1]))
+    return build_tree_from_top(top_lp, top_tok, budget)
 
-    lp [L, V] float32 log-probabilities. Returns a dict of [budget] arrays, most probable
+
+def build_tree_from_top(top_lp, top_tok, budget: int):
+    """The top-`budget` prefixes from the K = min(budget, V) most probable tokens of each
+    depth, top_lp / top_tok [L, K] (descending): O(budget x K x L) work, whatever V is.
+
+    Returns a dict of [budget] arrays, most probable
     first (ties: shallower first), so a parent precedes its children: tokens, depth (1..L),
     parent (index into these arrays, -1 = the root, i.e. the last committed token), score
     (log-probability of the prefix), valid (False where fewer than `budget` prefixes exist),
     and ancestors [budget, budget] bool (ancestors[i, j]: node j is node i or one of its
     ancestors).
     """
-    L, _ = lp.shape
-    scores, tokens, parents = _beams(lp.astype(jnp.float32), budget)
+    L = top_lp.shape[0]
+    scores, tokens, parents = _beams(top_lp.astype(jnp.float32), top_tok, budget)
     depth = jnp.broadcast_to(jnp.arange(1, L + 1)[:, None], scores.shape)
     flat_s, flat_d = scores.reshape(-1), depth.reshape(-1)
     # global top-B: highest score first, shallower first on ties (keeps the set prefix-closed)
@@ -106,16 +146,22 @@ def build_trees(lp, budget: int):
     return jax.vmap(lambda x: build_tree(x, budget))(lp)
 
 
-def chain_trees(lp):
+def draft_trees(draft: Draft, budget: int):
+    """build_trees of a Draft, from its top-K per depth (never a full log-softmax)."""
+    top_lp, top_tok = draft.top(budget)
+    return jax.vmap(lambda v, t: build_tree_from_top(v, t, budget))(top_lp, top_tok)
+
+
+def chain_trees(draft: Draft):
     """DFlash's draft as a tree: the argmax token at every depth, each node the child of the
-    previous one. lp [B, L, V] -> the build_trees dict with budget L."""
-    B, L, _ = lp.shape
+    previous one. -> the build_trees dict with budget L (the draft's depths)."""
+    B, L, _ = draft.logits.shape
     idx = jnp.arange(L)
     return {
-        "tokens": jnp.argmax(lp, axis=-1).astype(jnp.int32),
+        "tokens": jnp.argmax(draft.logits, axis=-1).astype(jnp.int32),
         "depth": jnp.broadcast_to(idx + 1, (B, L)),
         "parent": jnp.broadcast_to(idx - 1, (B, L)),
-        "score": jnp.cumsum(jnp.max(lp, axis=-1), axis=1),
+        "score": jnp.cumsum(jnp.max(draft.logits, axis=-1) - draft.lse, axis=1),
         "valid": jnp.ones((B, L), bool),
         "ancestors": jnp.broadcast_to(idx[:, None] >= idx[None, :], (B, L, L)),
     }
@@ -139,24 +185,55 @@ def root_only(batch: int):
     }
 
 
-def draft_tree(shape: DraftShape, lp, full=None):
-    """The tree a step verifies for `shape`; lp [B, L, V]. `full` (optional) is a
-    build_trees dict of at least shape.size nodes to slice instead of building again."""
+def committable(tree, limit, room):
+    """The nodes of `tree` a step can still commit, laid first and contiguous: those of depth
+    <= limit [B] (the walk never goes deeper) and, in score order, the first room [B] of them
+    (the cache slots left after the root). Near max_new_tokens or the cache end, nodes too
+    deep to commit would otherwise take slots from shallower ones. Kept nodes keep their
+    order, so the tree stays prefix-closed with parents first."""
+    B, N = tree["tokens"].shape
+    if N == 0:
+        return tree
+    keep = tree["valid"] & (tree["depth"] <= limit[:, None])
+    rank = jnp.cumsum(keep, axis=1) - 1  # a kept node's new index
+    keep = keep & (rank < room[:, None])
+    order = jnp.argsort(jnp.where(keep, 0, 1), axis=1, stable=True)  # kept first, in order
+
+    def take(x):
+        return jnp.take_along_axis(x, order, axis=1)
+
+    parent = take(tree["parent"])
+    parent = jnp.where(parent >= 0, jnp.take_along_axis(rank, jnp.maximum(parent, 0), 1), -1)
+    valid = take(keep)
+    anc = jnp.take_along_axis(tree["ancestors"], order[:, :, None], axis=1)
+    anc = jnp.take_along_axis(anc, order[:, None, :], axis=2)
+    return {
+        "tokens": take(tree["tokens"]),
+        "depth": take(tree["depth"]),
+        "parent": jnp.where(valid, parent, -1),
+        "score": take(tree["score"]),
+        "valid": valid,
+        "ancestors": anc & valid[:, :, None] & valid[:, None, :],
+    }
+
+
+def draft_tree(shape: DraftShape, draft: Draft, full=None):
+    """The tree a step verifies for `shape`. `full` (optional) is a build_trees dict of at
+    least shape.size nodes to slice instead of building again."""
     if shape.kind == "chain":
-        return chain_trees(lp[:, : shape.size])
+        return chain_trees(draft.head(shape.size))
     if shape.kind == "tree":
-        return top(full, shape.size) if full is not None else build_trees(lp, shape.size)
-    return root_only(lp.shape[0])
+        return top(full, shape.size) if full is not None else draft_trees(draft, shape.size)
+    return root_only(draft.logits.shape[0])
 
 
-def expected_tokens(shape: DraftShape, tree, lp):
+def expected_tokens(shape: DraftShape, tree, draft: Draft, calibration=1.0):
     """Tokens a step is expected to commit: 1 + the drafter's probability of every node of
-    the tree (DDTree, Proposition 1), the drafts treated as independent per depth. lp [B, L,
-    V] may be recalibrated; tree gives the node set. Returns [B] float32."""
+    the tree (DDTree, Proposition 1), the drafts treated as independent per depth, with the
+    draft's logits at temperature `calibration`; tree gives the node set. Returns [B]."""
     if shape.kind == "none":
-        return jnp.ones(lp.shape[:1], jnp.float32)
-    B = lp.shape[0]
-    node_lp = lp[jnp.arange(B)[:, None], tree["depth"] - 1, tree["tokens"]]  # [B, N]
+        return jnp.ones(draft.logits.shape[:1], jnp.float32)
+    node_lp = draft.calibrated(tree["depth"], tree["tokens"], calibration)  # [B, N]
     score = jnp.einsum("bij,bj->bi", tree["ancestors"].astype(jnp.float32), node_lp)
     return 1.0 + jnp.sum(jnp.where(tree["valid"], jnp.exp(score), 0.0), axis=1)
 
@@ -166,8 +243,7 @@ def verify_inputs(tree, last, start, capacity: int):
 
     tree: build_trees / chain_trees dict ([B, N] arrays); last [B]: the root (the last
     committed token, at slot start); nodes go to slots start + 1 .. start + N. Nodes whose
-    slot falls outside the cache are dropped from the tree (the tree shrinks near the cache
-    end; they are the deepest-last entries, so the tree stays prefix-closed).
+    slot falls outside the cache are never valid (a tree cut by `committable` has none).
     Returns (tokens [B, T], positions [B, T] = start + depth, mask [B, T, T], valid [B, N]).
     """
     B, N = tree["tokens"].shape

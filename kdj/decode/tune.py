@@ -1,0 +1,220 @@
+"""Self-calibration of method="auto": time this machine's steps, fit a StepCost, cache it.
+
+A tuning pass times, at one batch bucket (the next power of two of the batch), a target pass
+over T = 1 + n tokens for every n the menu verifies, and a whole drafted step (draft, tree,
+verify, accept, commit: kdj/decode/loop.py's `drafted_step`) for every drafted entry, each a
+few repetitions after one compile. `StepCost.fit` turns them into coefficients and
+`with_residuals` makes the target passes exact where they were timed.
+
+The result is cached as JSON under the user's cache directory ($XDG_CACHE_HOME or ~/.cache,
+then kdj/costs/), one file per key: kdj version, device kind, dtype, the target's and the
+drafter's shapes, batch bucket. auto reads a cached cost when there is one; a tuning pass
+only runs when asked for (`kdj tune`, or generate(cost="tune"), which says so on stderr).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kdj.cache import init_cache
+from kdj.cost import StepCost
+from kdj.decode import loop
+from kdj.decode import tree as trees
+from kdj.decode.sampling import request_keys
+from kdj.decode.state import Plan, Prefilled, init_state
+from kdj.decode.step import verify
+
+REPEATS = 5  # timed calls per step after its compile (the median is kept)
+CONTEXT = 256  # committed tokens per sequence while timing, unless asked otherwise
+
+
+class Timing(NamedTuple):
+    """One timed step of a tuning pass."""
+
+    batch: int
+    tokens: int  # verified per sequence (1 + nodes)
+    context: int
+    seconds: float  # median
+    drafted: bool  # a whole drafted step (draft pass + tree + verify + accept + commit)
+    nodes: int  # tree nodes its draft pass built (0: a chain, or no draft)
+    entry: str  # what was timed: "target", or a menu entry ("chain15", "tree64")
+
+
+def bucket(batch: int) -> int:
+    """The batch bucket a cost is tuned and cached for: the next power of two."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    return 1 << (batch - 1).bit_length()
+
+
+def cache_dir() -> Path:
+    """Where tuned costs live: $XDG_CACHE_HOME/kdj/costs, else ~/.cache/kdj/costs."""
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "kdj" / "costs"
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("kdj")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def key(target, drafter, batch: int) -> str:
+    """The cache key: kdj version, device kind, dtype, model shapes (a hash of both configs),
+    batch bucket."""
+    device = jax.devices()[0].device_kind.replace(" ", "-").replace("/", "-")
+    shapes = hashlib.sha256(repr((target.cfg, drafter.cfg)).encode()).hexdigest()[:16]
+    dtype = jnp.dtype(target.dtype).name
+    return f"kdj{_version()}_{device}_{dtype}_{shapes}_b{bucket(batch)}"
+
+
+def cached(target, drafter, batch: int) -> StepCost | None:
+    """The tuned cost of this pair on this machine at this batch bucket, if a pass saved one."""
+    path = cache_dir() / f"{key(target, drafter, batch)}.json"
+    return StepCost.load(path) if path.exists() else None
+
+
+def tune(target, drafter, shapes, batch: int, context: int = CONTEXT, progress=sys.stderr):
+    """Time the steps of menu `shapes` (DraftShapes) at batch bucket(batch), fit and save the
+    cost. Returns (StepCost, [Timing], path). `progress`: a stream for the progress bar (None:
+    silent)."""
+    B = bucket(batch)
+    sizes = sorted({0} | {s.size for s in shapes if s.kind != "none"})
+    drafted = [s for s in shapes if s.kind != "none"]
+    total, done = len(sizes) + len(drafted), 0
+
+    def tick(label):
+        nonlocal done
+        done += 1
+        if progress is not None:
+            bar = "#" * (20 * done // total)
+            progress.write(f"\rkdj tune: [{bar:<20}] {done}/{total} {label:<12}")
+            if done == total:
+                progress.write("\n")
+            progress.flush()
+
+    timings = []
+    for n in sizes:
+        timings.append(Timing(B, 1 + n, context, _time_verify(target, B, n, context), False, 0,
+                              "target"))  # fmt: skip
+        tick(f"verify {1 + n}")
+    for s in drafted:
+        nodes = s.size if s.kind == "tree" else 0
+        seconds = _time_drafted(target, drafter, s, B, context)
+        timings.append(Timing(B, 1 + s.size, context, seconds, True, nodes, str(s)))
+        tick(str(s))
+    n_params = sum(int(x.size) for x in jax.tree.leaves(drafter.state))
+    base = StepCost.for_config(target.cfg, jnp.dtype(target.dtype).itemsize)
+    base = base.with_drafter(drafter.cfg, n_params, target.cfg, jnp.dtype(target.dtype).itemsize)
+    rows = [(t.batch, t.tokens, t.context, t.seconds, float(t.drafted), t.nodes) for t in timings]
+    plain = [r[:4] for r, t in zip(rows, timings) if not t.drafted]
+    cost = base.fit(rows).with_residuals(plain)
+    path = cache_dir() / f"{key(target, drafter, batch)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return cost, timings, cost.save(path)
+
+
+def resolve(cost, target, drafter, shapes, batch: int, context: float):
+    """generate's `cost` argument for auto: a StepCost or its JSON path as given (an override);
+    "tune": a tuning pass now (said on stderr); None: this machine's tuned cost when a pass
+    cached one, else None (auto's estimate from the model's shapes)."""
+    if isinstance(cost, str) and cost == "tune":
+        print(f"kdj: tuning auto's step costs at batch {bucket(batch)} (once; cached in "
+              f"{cache_dir()})", file=sys.stderr)  # fmt: skip
+        return tune(target, drafter, shapes, batch, max(int(context), 1))[0]
+    if cost is None:
+        return cached(target, drafter, batch)
+    return cost
+
+
+def table(timings) -> str:
+    """The timings as a text table (what `kdj tune` prints)."""
+    lines = [f"{'step':<12} {'batch':>5} {'tokens':>6} {'context':>7} {'ms':>9}"]
+    for t in timings:
+        name = f"verify {t.tokens}" if t.entry == "target" else t.entry
+        lines.append(f"{name:<12} {t.batch:>5} {t.tokens:>6} {t.context:>7} "
+                     f"{t.seconds * 1e3:>9.3f}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _fresh(x):
+    """A copy in its own buffer (a donated state must not hold one buffer twice)."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(jnp.copy(jax.random.key_data(x)))
+    return jnp.copy(x)
+
+
+def _median_seconds(fn, state):
+    state = jax.tree.map(_fresh, state)
+    state = jax.block_until_ready(fn(state))  # compile + one warm-up
+    times = []
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(fn(state))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "nodes"), donate_argnames=("tcache",))
+def _verify_pass(graph, params, tcache, last, nodes: int):
+    """One target pass over root + a chain of `nodes` nodes (T = 1 + nodes), with the argmax
+    a greedy accept reads (so the lm_head is not compiled away)."""
+    target = nnx.merge(graph, params)
+    if nodes:
+        logits = jnp.zeros((last.shape[0], nodes, target.cfg.vocab_size), jnp.float32)
+        tree = trees.chain_trees(trees.Draft.of(logits))
+    else:
+        tree = trees.root_only(last.shape[0])
+    verified = verify(target, tcache, last, tree)
+    return verified.tcache, jnp.argmax(verified.logits, axis=-1)
+
+
+def _time_verify(target, batch, nodes, context):
+    tcache = init_cache(target.cfg, batch, context + nodes + 2, target.dtype)
+    tcache = tcache.with_lengths(jnp.full((batch,), context, jnp.int32))
+    last = jnp.zeros((batch,), jnp.int32)
+    fn = functools.partial(_verify_pass, target.graphdef, target.state, last=last, nodes=nodes)
+    return _median_seconds(lambda c: fn(tcache=c)[0], tcache)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("tgraph", "dgraph", "plan"), donate_argnames=("state",)
+)
+def _drafted_pass(tgraph, tstate, dgraph, dstate, state, *, plan):
+    target, drafter = nnx.merge(tgraph, tstate), nnx.merge(dgraph, dstate)
+    return loop.drafted_step(target, drafter, state, plan)
+
+
+def _time_drafted(target, drafter, shape, batch, context):
+    """A whole drafted step of one menu entry at this context (steps advance the context by
+    a few tokens; the cache has room for every repetition)."""
+    k = drafter.cfg.block_size
+    capacity = context + (REPEATS + 2) * k + shape.size + 1
+    B = batch
+    lens = jnp.full((B,), context, jnp.int32)
+    tcache = init_cache(target.cfg, B, capacity, target.dtype).with_lengths(lens)
+    dcache = init_cache(drafter.cfg.layers, B, capacity, target.dtype).with_lengths(lens)
+    pre = Prefilled(jnp.zeros((B,), jnp.int32), tcache, dcache)
+    steps = (REPEATS + 2) * k
+    plan = Plan(True, steps, k, (shape,))
+    width = target.cfg.hidden_size * len(drafter.cfg.target_layer_ids)
+    one = jnp.float32(1.0)
+    state = init_state(pre, jnp.full((B,), steps), jnp.full((B, 1), -1, jnp.int32),
+                       request_keys([0] * B, shared=True), one, one, one, [0.0], plan,
+                       width)  # fmt: skip
+    fn = functools.partial(_drafted_pass, target.graphdef, target.state, drafter.graphdef,
+                           drafter.state, plan=plan)  # fmt: skip
+    return _median_seconds(lambda s: fn(state=s), state)

@@ -1,0 +1,189 @@
+"""Speculation's own overhead: near the end of the budget or the cache a step keeps every node
+it can still commit; the reduced draft / verify outputs equal the full ones they replace."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kdj
+from kdj.cache import init_cache
+from kdj.config import ModelConfig
+from kdj.decode import tree as trees
+from kdj.decode.loop import prefill
+from kdj.decode.step import accept, propose, verify
+from kdj.models.transformer import build_model, full_sequence
+
+V = 12
+
+
+@pytest.fixture(scope="module")
+def target():
+    cfg = ModelConfig.from_hf({
+        "model_type": "llama", "vocab_size": V, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 8, "max_position_embeddings": 256,
+    })  # fmt: skip
+    return kdj.Target.from_model(build_model(cfg, jnp.float32, seed=1))
+
+
+def greedy_path(target, seq, n):
+    """The target's greedy continuation of the token list seq, n tokens."""
+    seq = list(seq)
+    for _ in range(n):
+        padded = jnp.asarray([seq + [0] * (16 - len(seq))], jnp.int32)
+        logits = full_sequence(target.graphdef, target.state, padded)[0][0, len(seq) - 1]
+        seq.append(int(jnp.argmax(logits)))
+    return seq[-n:]
+
+
+def prefixes(tree, b):
+    """Each node's token prefix (a tuple), in node order."""
+    parent, tokens = np.asarray(tree["parent"][b]), np.asarray(tree["tokens"][b])
+    out = []
+    for i in range(len(tokens)):
+        out.append((out[parent[i]] if parent[i] >= 0 else ()) + (int(tokens[i]),))
+    return out
+
+
+def longest_match(nodes, greedy):
+    """Drafts a greedy walk accepts when the tree holds exactly `nodes` (prefix tuples)."""
+    a = 0
+    while a < len(greedy) and tuple(greedy[: a + 1]) in nodes:
+        a += 1
+    return a
+
+
+def test_a_step_near_the_end_keeps_every_node_it_can_still_commit(target):
+    """Near max_new_tokens (limit) and the cache end (room), the drafts accepted must equal a
+    brute-force longest greedy match among the best `room` nodes of depth <= limit. The draft
+    puts a wrong token first at depth 1 and the target's own path under it, so a cut by node
+    index keeps only that wrong branch's deep nodes (which can never be committed)."""
+    prompt, root, S = [3, 1, 4, 1, 5], 9, 10
+    g = greedy_path(target, prompt + [root], 5)
+    wrong = (g[0] + 1) % V
+    probs = np.full((5, V), 0.01)
+    probs[0, wrong], probs[0, g[0]] = 0.6, 0.3
+    for d in range(1, 5):
+        probs[d, g[d]] = 0.9
+    lp = jnp.log(jnp.asarray(probs / probs.sum(-1, keepdims=True), jnp.float32))[None]
+    L = jnp.asarray([len(prompt)], jnp.int32)
+    key, one = jax.random.key(0), jnp.float32(1.0)
+    cache = prefill(target.graphdef, target.state, None, None, jnp.asarray([prompt]), L,
+                    init_cache(target.cfg, 1, S, jnp.float32), None, key, one, one,
+                    greedy=True).tcache  # fmt: skip
+    shape = trees.DraftShape("tree", 16)
+    full = trees.build_trees(lp, 16)
+    lp = trees.Draft.of(lp)
+    room = S - 1 - len(prompt)  # 4 slots after the root
+    last = jnp.asarray([root], jnp.int32)
+    step = jax.jit(lambda c, limit: run_step(target, shape, lp, c, last, limit, room))
+    for limit in (1, 2, 5):
+        kept = [n for n in prefixes(full, 0) if len(n) <= limit][:room]
+        by_index = prefixes(full, 0)[:room]
+        want = longest_match(set(kept), g)
+        a, tree = step(cache, jnp.asarray([limit], jnp.int32))
+        assert int(a[0]) == want, limit
+        assert set(prefixes(tree, 0)[: int(tree["valid"][0].sum())]) == set(kept)
+        if limit == 2:  # the case that a cut by node index got wrong
+            assert want == 2 and longest_match(set(by_index), g) == 0
+
+
+def run_step(target, shape, lp, cache, last, limit, room):
+    tree = propose(shape, lp, None, limit, cache.capacity - 1 - cache.lengths)
+    verified = verify(target.model, cache, last, tree)
+    one = jnp.float32(1.0)
+    acc = accept(tree, verified, limit, jax.random.key(0), one, one, block_size=6, greedy=True)
+    return acc.a, tree
+
+
+def test_committable_is_the_identity_when_everything_fits():
+    lp = jax.nn.log_softmax(jax.random.normal(jax.random.key(1), (2, 4, 7)), axis=-1)
+    tree = trees.build_trees(lp, 12)
+    same = trees.committable(tree, jnp.asarray([4, 4]), jnp.asarray([20, 12]))
+    for k in tree:
+        np.testing.assert_array_equal(np.asarray(same[k]), np.asarray(tree[k]))
+    chain = trees.chain_trees(trees.Draft.of(lp))
+    cut = trees.committable(chain, jnp.asarray([2, 4]), jnp.asarray([20, 3]))
+    assert np.asarray(cut["valid"]).tolist() == [[True, True, False, False], [True] * 3 + [False]]
+    np.testing.assert_array_equal(np.asarray(cut["tokens"]), np.asarray(chain["tokens"]))
+
+
+def test_reduced_draft_paths_equal_the_full_log_softmax_ones():
+    """A tree built from the top-K of the logits equals one built from the full log-softmax;
+    the chain from the argmax equals the argmax / max of the log-softmax; the forecast from
+    the logits equals the one from the recalibrated log-softmax."""
+    logits = jax.random.normal(jax.random.key(4), (3, 5, 40)) * 3
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    dist = trees.Draft.of(logits)
+    for budget in (1, 7, 16, 64):  # 64 > V: the top-K is the whole vocabulary
+        old, new = trees.build_trees(lp, budget), trees.draft_trees(dist, budget)
+        for k in ("tokens", "depth", "parent", "valid", "ancestors"):
+            np.testing.assert_array_equal(np.asarray(new[k]), np.asarray(old[k]), k)
+        np.testing.assert_allclose(new["score"], old["score"], atol=1e-5)
+    chain = trees.chain_trees(dist)
+    assert chain["tokens"].tolist() == jnp.argmax(lp, -1).tolist()
+    np.testing.assert_allclose(chain["score"], jnp.cumsum(lp.max(-1), axis=1), atol=1e-5)
+    for cal in (1.0, 1.7):
+        lp_cal = np.asarray(jax.nn.log_softmax(lp / cal, axis=-1))
+        for shape in (trees.DraftShape("chain", 4), trees.DraftShape("tree", 16)):
+            tree = trees.draft_tree(shape, dist)
+            b, d, t = np.indices(tree["tokens"].shape)[0], tree["depth"] - 1, tree["tokens"]
+            node = lp_cal[b, np.asarray(d), np.asarray(t)]
+            score = np.einsum("bij,bj->bi", np.asarray(tree["ancestors"], float), node)
+            want = 1 + np.where(tree["valid"], np.exp(score), 0).sum(1)
+            got = trees.expected_tokens(shape, tree, dist, cal)
+            np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+# ------------------------------------------------------------- self-calibrating auto
+@pytest.fixture(scope="module")
+def drafter(target):
+    from kdj.models.drafter import DrafterConfig, build_drafter
+
+    layers = target.cfg.replace(model_type="qwen3", num_layers=1, qk_norm=True)
+    dcfg = DrafterConfig(layers=layers, block_size=4, mask_token_id=V - 1, target_layer_ids=(0, 1),
+                         num_target_layers=2)  # fmt: skip
+    return kdj.Drafter.from_model(build_drafter(dcfg, jnp.float32, seed=2))
+
+
+def test_tuning_pass_times_the_menu_caches_by_key_and_auto_reads_it(
+    target, drafter, tmp_path, monkeypatch, capsys
+):
+    import io
+
+    from kdj.decode import auto, tune
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    shapes = auto.parse_menu("auto", ["none", "chain", "tree5"], 4, None)
+    assert tune.cached(target, drafter, 3) is None
+    bar = io.StringIO()
+    cost, timings, path = tune.tune(target, drafter, shapes, 3, context=16, progress=bar)
+    assert path.parent == tmp_path / "kdj" / "costs" and path.name.endswith("_b4.json")
+    assert "float32" in path.name and "5/5" in bar.getvalue()
+    assert [(t.entry, t.tokens) for t in timings] == [
+        ("target", 1), ("target", 4), ("target", 6), ("chain3", 4), ("tree5", 6)
+    ]  # fmt: skip
+    assert all(t.batch == 4 and t.seconds > 0 for t in timings)
+    for t in timings[:3]:  # exact where the target pass was timed
+        assert cost.seconds(4, t.tokens, 16) == pytest.approx(t.seconds, rel=1e-6)
+    assert tune.cached(target, drafter, 4) == cost  # same bucket: 3 and 4
+    assert tune.resolve(None, target, drafter, shapes, 3, 16.0) == cost  # what auto prices with
+    assert tune.resolve(path, target, drafter, shapes, 3, 16.0) == path  # an override wins
+    assert tune.cached(target, drafter, 5) is None  # bucket 8 was never tuned
+    assert "tree5" in tune.table(timings)
+    # generate's auto reads the cached cost: the same plan as passing it explicitly
+    prompts = [[3, 1, 4], [5, 9, 2]]
+    kw = dict(drafter=drafter, method="auto", max_new_tokens=12, stop_tokens=[],
+              menu=["none", "chain", "tree5"])  # fmt: skip
+    ar = kdj.generate(target, prompts, method="ar", max_new_tokens=12, stop_tokens=[])
+    cached = kdj.generate(target, prompts, **kw)
+    assert cached.tokens == ar.tokens
+    # an explicit tuning pass inside generate says so on stderr
+    tuned = kdj.generate(target, [[3, 1, 4]] * 5, cost="tune", **kw)
+    assert tuned.tokens == kdj.generate(target, [[3, 1, 4]] * 5, method="ar", max_new_tokens=12,
+                                        stop_tokens=[]).tokens  # fmt: skip
+    assert "tuning auto's step costs at batch 8" in capsys.readouterr().err
+    assert tune.cached(target, drafter, 8) is not None
