@@ -75,7 +75,7 @@ def parse_menu(method, menu, block_size, tree_budget) -> tuple[DraftShape, ...]:
     return tuple(shapes)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=8)  # a pure function of the config: a bounded memo
 def _default_cost(cfg) -> StepCost:
     return StepCost.for_config(cfg)
 
