@@ -327,8 +327,12 @@ def parser() -> argparse.ArgumentParser:
     # "+" as its only prefix: every "--option" after `bench` is passed through untouched.
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs kdj[serve])")
     v.add_argument("--config", help="run YAML, e.g. configs/runs/smollm2.yaml (default: none)")
-    v.add_argument("--host", default="127.0.0.1")
-    v.add_argument("--port", type=int, default=8000)
+    v.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
+    )
+    v.add_argument(
+        "--port", type=int, default=8000, help="port to listen on (default: %(default)s)"
+    )
     v.add_argument("--model-name", help="the model id clients send (default: the target)")
     v.add_argument("--max-batch", type=int, default=8, help="slots of the pool (default: 8)")
     v.add_argument("--context", type=int, default=2048, help="tokens per slot (default: 2048)")
@@ -339,16 +343,21 @@ def parser() -> argparse.ArgumentParser:
     v.set_defaults(fn=cmd_serve)
 
     w = sub.add_parser("bench-serve", help="concurrency sweep against an OpenAI-compatible URL")
-    w.add_argument("--url", default="http://127.0.0.1:8000")
-    w.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    w.add_argument(
+        "--url", default="http://127.0.0.1:8000", help="server base URL (default: %(default)s)"
+    )
+    w.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64, 256],
+                   help="client counts to sweep (default: 1 4 16 64 256)")  # fmt: skip
     w.add_argument("--requests", type=int, default=64,
                    help="requests per level, at least the concurrency (default: 64)")  # fmt: skip
     w.add_argument("--max-tokens", type=int, nargs="+", default=[128],
                    help="output length N, or LO HI drawn uniformly (default: 128)")  # fmt: skip
     w.add_argument("--prompts", help="eval_prompts.json (default: held-out ShareGPT)")
     w.add_argument("--model", help="model id (default: the server's first)")
-    w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--out", help="write the report as JSON here")
+    w.add_argument(
+        "--seed", type=int, default=0, help="seed of prompt and length draws (default: 0)"
+    )
+    w.add_argument("--out", help="write the report as JSON here (default: print only)")
     w.set_defaults(fn=cmd_bench_serve)
 
     b = sub.add_parser("bench", help="roofline of one target step (bench/roofline.py --help)",
