@@ -114,16 +114,16 @@ def test_stats(target):
 def test_rollback_by_length(target):
     """Entries beyond a sequence's length are dead: prefill [prompt + junk], roll the length
     back to the prompt, decode, and get exactly what decoding the prompt alone gives."""
-    import jax
     import jax.numpy as jnp
 
     from kdj.cache import init_cache
     from kdj.decode import loop
+    from kdj.decode.sampling import request_keys
     from kdj.decode.state import Plan, Prefilled
 
     prompt, junk = [3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5]
     clean = kdj.generate(target, [prompt], method="ar", max_new_tokens=8, stop_tokens=[])
-    cfg, key = target.cfg, jax.random.key(0)
+    cfg, key = target.cfg, request_keys([0], shared=True)  # one key per sequence
     cache = init_cache(cfg, 1, 64, target.dtype)
     tokens = jnp.asarray([prompt + junk], jnp.int32)
     args = (key, jnp.float32(1.0), jnp.float32(1.0))
