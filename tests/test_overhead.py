@@ -13,6 +13,7 @@ from kdj.cache import init_cache
 from kdj.config import ModelConfig
 from kdj.decode import tree as trees
 from kdj.decode.loop import prefill
+from kdj.decode.sampling import request_keys
 from kdj.decode.step import accept, propose, verify
 from kdj.models.transformer import build_model, full_sequence
 
@@ -70,7 +71,7 @@ def test_a_step_near_the_end_keeps_every_node_it_can_still_commit(target):
         probs[d, g[d]] = 0.9
     lp = jnp.log(jnp.asarray(probs / probs.sum(-1, keepdims=True), jnp.float32))[None]
     L = jnp.asarray([len(prompt)], jnp.int32)
-    key, one = jax.random.key(0), jnp.float32(1.0)
+    key, one = request_keys([0], shared=True), jnp.float32(1.0)  # a key per sequence
     cache = prefill(target.graphdef, target.state, None, None, jnp.asarray([prompt]), L,
                     init_cache(target.cfg, 1, S, jnp.float32), None, key, one, one,
                     greedy=True).tcache  # fmt: skip
@@ -95,7 +96,9 @@ def run_step(target, shape, lp, cache, last, limit, room):
     tree = propose(shape, lp, None, limit, cache.capacity - 1 - cache.lengths)
     verified = verify(target.model, cache, last, tree)
     one = jnp.float32(1.0)
-    acc = accept(tree, verified, limit, jax.random.key(0), one, one, block_size=6, greedy=True)
+    acc = accept(
+        tree, verified, limit, request_keys([0], shared=True), one, one, block_size=6, greedy=True
+    )
     return acc.a, tree
 
 
