@@ -89,8 +89,9 @@ def generate(
     stats["tree_budget"] / stats["menu"] say what ran. Bad arguments raise TypeError or
     ValueError before anything compiles (kdj.arguments); an argument the method does not use
     is refused, not ignored. With more prompts than `max_batch`, plain decoding streams them
-    through a pool of max_batch slots (kdj/decode/engine.py): each prompt's result is what
-    it gets alone (greedy: the same tokens).
+    through a pool of max_batch slots (kdj/decode/engine.py; "ar", "dflash" and "ddtree":
+    "auto" with a drafter is refused there): each prompt's result is what it gets alone
+    (greedy: the same tokens).
 
     Sampling draws the token at position p of a sequence with a key from (its seed, p)
     (kdj/decode/sampling.py): `seed` one int (each row draws its own stream from it; with
@@ -108,7 +109,8 @@ def generate(
     tokenizer = tokenizer or target.tokenizer
     batch = pack(target, prompts, tokenizer, max_new_tokens, stop_tokens, cache_size)
     if max_batch is not None and batch.B > arguments.integer(max_batch, "max_batch", 1):
-        return stream(opts, target, batch, max_batch, temperature, top_p, seed, tokenizer)
+        return stream(opts, target, drafter, batch, max_batch, temperature, top_p, seed,
+                      tokenizer)  # fmt: skip
     seeds, per_prompt = arguments.seeds(seed, batch.B)
     seeds += [0] * (batch.tokens.shape[0] - batch.B)  # the padding rows
     opts = cap_trees(opts, batch)
@@ -280,23 +282,31 @@ def stream_seeds(seed, B: int) -> dict:
     return {"seeds": seeds} if per_prompt else {"seed": seeds[0]}
 
 
-def stream(opts: Options, target, batch: Batch, max_batch, temperature, top_p, seed, tokenizer):
+def pool_drafting(opts: Options, drafter) -> dict:
+    """The engine's drafting arguments (kdj/decode/engine.py `Engine`) for checked options."""
+    if opts.method == "ar":
+        return {}
+    return {"drafter": drafter, "block_size": opts.block_size, "menu": opts.shapes}
+
+
+def stream(opts: Options, target, drafter, batch: Batch, max_batch, temperature, top_p, seed,
+           tokenizer) -> GenerateOutput:  # fmt: skip
     """generate with more prompts than max_batch: the prompts stream through the engine."""
-    if opts.method != "ar":
-        raise ValueError("max_batch streams prompts for plain decoding only (method='ar')")
     B, t0 = batch.B, time.perf_counter()
-    toks = engine.generate_stream(
+    res = engine.generate_stream(
         target, [batch.tokens[b, : batch.lens[b]].tolist() for b in range(B)], max_batch,
         batch.max_new[:B], [[int(i) for i in row if i >= 0] for row in batch.stop[:B]],
         cache_size=batch.capacity, temperature=temperature, top_p=top_p,
-        **stream_seeds(seed, B),
+        **stream_seeds(seed, B), **pool_drafting(opts, drafter),
     )  # fmt: skip
-    texts = None
+    toks, texts = res.tokens, None
     if tokenizer is not None:
         texts = [tokenizer.decode([t for t in seq if t not in batch.stops]) for seq in toks]
-    seconds = time.perf_counter() - t0
-    stats = {"method": "ar", "batch": B, "max_batch": max_batch,
-             "new_tokens": sum(map(len, toks)), "seconds": seconds}  # fmt: skip
+    new, steps = sum(map(len, toks)), sum(res.steps)
+    stats = {"method": opts.method, "batch": B, "max_batch": max_batch, "new_tokens": new,
+             "seconds": time.perf_counter() - t0, "request_steps": res.steps,
+             # tokens per step of every prompt's steps: the first token came from prefill
+             "mean_acceptance": (new - B) / steps if steps else float("nan")}  # fmt: skip
     return GenerateOutput(tokens=toks, texts=texts, stats=stats)
 
 

@@ -108,11 +108,12 @@ def cmd_serve(args) -> int:
 
     run = _run_config(args.config)
     dec = run["decode"]
-    if run["drafter"] or dec["method"] not in ("ar", "auto"):
-        print("kdj serve: the pool decodes plainly (AR) for now; the drafter is not used")
     target = kdj.load_target(run["target"], dtype=_dtype(run["dtype"]))
+    drafter = kdj.load_drafter(run["drafter"], target=target) if run["drafter"] else None
     name = args.model_name or str(run["target"])
-    app = make_app(target, name, max_batch=args.max_batch, context=args.context,
+    app = make_app(target, name, drafter=drafter, method=dec["method"],
+                   block_size=dec["block_size"], tree_budget=dec["tree_budget"],
+                   max_batch=args.max_batch, context=args.context,
                    max_tokens=dec["max_new_tokens"], max_queue=args.max_queue,
                    chunk_steps=args.chunk_steps, temperature=dec["temperature"],
                    top_p=dec["top_p"], seed=dec["seed"])  # fmt: skip

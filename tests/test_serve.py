@@ -4,6 +4,7 @@ server (kdj/serve) on loopback. A tiny random Qwen3-format model in float32."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -16,6 +17,7 @@ import pytest
 import kdj
 from kdj.decode.engine import Engine, Request
 from tests.hf_models import build
+from tests.test_speculative import make_drafter
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +82,39 @@ def test_max_batch_must_be_positive(target):
         kdj.generate(target, [[1, 2], [3, 4]], method="ar", max_batch=0)
 
 
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A 12-token vocabulary: the random drafter's drafts are accepted often enough."""
+    path = tmp_path_factory.mktemp("qwen3v12")
+    build("qwen3", path, vocab_size=12, num_hidden_layers=3)
+    target = kdj.load_target(path, dtype="float32")
+    return target, make_drafter(target, ids=(0, 1))
+
+
+@pytest.mark.parametrize("spec", [{"method": "dflash"}, {"method": "ddtree", "tree_budget": 6}],
+                         ids=["dflash", "ddtree6"])  # fmt: skip
+def test_pool_drafts_token_identical(pair, spec):
+    """More prompts than slots, ragged, mixed budgets: each prompt's tokens and steps are
+    what it gets alone, and drafts were accepted (steps < tokens - 1)."""
+    target, drafter = pair
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, 12, int(n)).tolist() for n in rng.integers(2, 16, 5)]
+    budgets = [int(m) for m in rng.choice([7, 23], 5)]
+    run = dict(drafter=drafter, max_new_tokens=budgets, stop_tokens=[], **spec)
+    out = kdj.generate(target, prompts, max_batch=2, **run)
+    alone = [kdj.generate(target, [p], **{**run, "max_new_tokens": m})
+             for p, m in zip(prompts, budgets)]  # fmt: skip
+    assert out.tokens == [a.tokens[0] for a in alone]
+    assert out.stats["request_steps"] == [len(a.stats["acceptance_lengths"][0]) for a in alone]
+    assert out.stats["method"] == spec["method"] and out.stats["mean_acceptance"] > 1
+
+
+def test_pool_refuses_auto_with_a_drafter(pair):
+    target, drafter = pair
+    with pytest.raises(ValueError, match="'auto' does not run on the pool"):
+        kdj.generate(target, [[1, 2], [3], [4]], drafter=drafter, method="auto", max_batch=2)
+
+
 # ---------------------------------------------------------------------------- the server
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,!?'-:;ABCDEFGHIJKLMNOPQRSTUVWXYZ\n"
 SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>"]
@@ -109,15 +144,11 @@ def chat_target(tmp_path_factory):
     return target
 
 
-@pytest.fixture(scope="module")
-def server(chat_target):
-    """uvicorn in a thread on 127.0.0.1, an ephemeral port: 4 slots of 64 tokens."""
+@contextlib.contextmanager
+def run_server(app):
+    """uvicorn in a thread on 127.0.0.1, an ephemeral port: its URL."""
     import uvicorn
 
-    from kdj.serve.app import make_app
-
-    app = make_app(chat_target, "tiny", max_batch=4, context=64, max_tokens=8, max_queue=32,
-                   chunk_steps=4)  # fmt: skip
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
@@ -131,6 +162,17 @@ def server(chat_target):
     yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     srv.should_exit = True
     thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def server(chat_target):
+    """4 slots of 64 tokens."""
+    from kdj.serve.app import make_app
+
+    app = make_app(chat_target, "tiny", max_batch=4, context=64, max_tokens=8, max_queue=32,
+                   chunk_steps=4)  # fmt: skip
+    with run_server(app) as url:
+        yield url
 
 
 def pool_reference(target, prompts, budgets):
@@ -177,6 +219,31 @@ def test_server_greedy_equals_generate(chat_target, server):
         assert [r.json()["choices"][0]["text"] for r in replies] == want
     usage = replies[0].json()["usage"]
     assert usage["prompt_tokens"] == len(prompts[0]) and usage["kdj"]["method"] == "ar"
+    assert usage["kdj"]["steps"] == usage["completion_tokens"] - 1
+
+
+def test_server_drafts_greedy_equal_to_generate(chat_target):
+    """A DFlash server (2 slots, 8 requests at once): the texts plain decoding gives
+    (speculative greedy is lossless), usage with the speculative steps."""
+    from kdj.serve.app import make_app
+
+    prompts, budgets = prompts_and_budgets(chat_target, 8, seed=2)
+    ref = kdj.generate(chat_target, prompts, method="ar", max_new_tokens=budgets, max_batch=4)
+    app = make_app(chat_target, "tiny", drafter=make_drafter(chat_target, 1, ids=(0, 1)),
+                   method="dflash",
+                   block_size=4, max_batch=2, context=64, max_tokens=8, chunk_steps=4)  # fmt: skip
+    bodies = [{"prompt": p, "max_tokens": m} for p, m in zip(prompts, budgets)]
+    with run_server(app) as url:
+        replies = post_all(url, bodies, 8)
+    assert [r.json()["choices"][0]["text"] for r in replies] == [
+        text_of(chat_target, t) for t in ref.tokens
+    ]
+    for r, t in zip(replies, ref.tokens):
+        usage = r.json()["usage"]
+        stats, n = usage["kdj"], usage["completion_tokens"]
+        assert n == len(t) and stats["method"] == "dflash" and 0 <= stats["steps"] <= n - 1
+        if n > 1:  # the first token comes from prefill, each step commits one or more
+            assert stats["mean_acceptance"] == pytest.approx((n - 1) / stats["steps"])
 
 
 def test_server_many_clients_mixed_lengths(chat_target, server):

@@ -1,41 +1,39 @@
 """Continuous batching: a fixed pool of B slots on the device, requests streamed through it.
 
-    host                                  device
+    host                                  device (kdj/decode/pool.py)
     admit waiting requests into free  ->  prefill only those rows (bucketed: A newcomers
     slots                                 rounded up to a power of two, prompts to 16 tokens),
-                                          their K/V and state written into the pool
-    re-enter                          ->  ONE while_loop of plain_step over the whole pool,
-                                          until a slot finishes or `chunk_steps` steps ran
-    retire finished slots, hand out   <-  out / n / done (never the caches)
+                                          their target and drafter K/V and state written in
+    re-enter                          ->  ONE while_loop of the decode loop's own step over the
+                                          whole pool (plain_step; with a drafter, DFlash's or
+                                          DDTree's drafted_step), until a slot finishes or
+                                          `chunk_steps` steps ran
+    retire finished slots, hand out   <-  out / n / done / steps (never the caches)
     the new tokens
 
 Finished and free slots ride along without advancing (`done`), as in kdj/decode/loop.py.
 A newcomer's prefill stalls the running slots for one prefill call of at most B rows of
 the longest waiting prompt; a slot finishing wakes the host, so a free slot waits at most one
-chunk. Plain decoding (AR) only so far.
+chunk. AR, DFlash and DDTree run on the pool; method="auto" does not yet (its controller
+prices one static batch, and its runs of plain steps are not one step per loop turn).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import itertools
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from kdj.cache import init_cache
-from kdj.decode.loop import prefill
-from kdj.decode.sampling import request_keys
-from kdj.decode.state import DecodeState, is_stop
-from kdj.decode.step import plain_step
-from kdj.handles import Target
-
-STOP_WIDTH = 8  # stop ids per request (-1 padded): one compile for every request
+from kdj import arguments
+from kdj.decode import pool
+from kdj.decode.pool import STOP_WIDTH
+from kdj.decode.state import Plan
+from kdj.decode.tree import DraftShape
+from kdj.handles import Drafter, Target, check_pair
 
 
 @dataclasses.dataclass
@@ -62,101 +60,74 @@ def mode_of(req: Request) -> Mode:
 
 
 class Update(NamedTuple):
-    """New tokens of one request since the last update; `finished` once it is done."""
+    """New tokens of one request since the last update; `finished` once it is done. steps:
+    the pool's steps it has taken so far (its tokens per step: (tokens - 1) / steps)."""
 
     id: int
     tokens: list[int]
     finished: bool
-
-
-@functools.partial(jax.jit, static_argnames=("tgraph", "greedy"), donate_argnames=("state",))
-def run_chunk(tgraph, tstate, state: DecodeState, bound, *, greedy) -> DecodeState:
-    """plain_step over the pool until a running slot finishes, all are done, or `bound` steps."""
-    target = nnx.merge(tgraph, tstate)
-    entry_done, stop_at = state.done, state.step + bound
-
-    def cond(s):
-        return (s.step < stop_at) & ~jnp.any(s.done & ~entry_done) & ~jnp.all(s.done)
-
-    return jax.lax.while_loop(cond, lambda s: plain_step(target, s, greedy), state)
-
-
-@functools.partial(jax.jit, static_argnames=("tgraph", "greedy"), donate_argnames=("state",))
-def admit(tgraph, tstate, state: DecodeState, tokens, lens, slots, max_new, stop, temps, seeds,
-          *, greedy) -> DecodeState:  # fmt: skip
-    """Prefill newcomers tokens [A, P] and write them into pool rows `slots` [A] (B: padding,
-    dropped). The prefill cache holds P slots only: the pool keeps the rest."""
-    target = nnx.merge(tgraph, tstate)
-    A, P = tokens.shape
-    cache = init_cache(target.cfg, A, P, state.tcache.k[0].dtype)
-    keys = request_keys(seeds, shared=True)  # a request's samples: (its seed, position)
-    pre = prefill(tgraph, tstate, None, None, tokens, lens, cache, None, keys, temps[:, None],
-                  state.top_p, greedy=greedy)  # fmt: skip
-
-    def put(pool, new):
-        return pool.at[slots, :, :P].set(new, mode="drop")
-
-    pool = state.tcache
-    tcache = dataclasses.replace(
-        pool,
-        k=[put(p, n) for p, n in zip(pool.k, pre.tcache.k)],
-        v=[put(p, n) for p, n in zip(pool.v, pre.tcache.v)],
-        lengths=pool.lengths.at[slots].set(lens, mode="drop"),
-    )
-    N = state.out.shape[1]
-    row = jnp.zeros((A, N), jnp.int32).at[:, 0].set(pre.first)
-    done = is_stop(pre.first, stop) | (max_new <= 1)
-
-    def set_(x, v):
-        return x.at[slots].set(v, mode="drop")
-
-    return dataclasses.replace(
-        state, tcache=tcache, last=set_(state.last, pre.first), out=set_(state.out, row),
-        n=set_(state.n, jnp.ones((A,), jnp.int32)), done=set_(state.done, done),
-        max_new=set_(state.max_new, max_new), stop_ids=set_(state.stop_ids, stop),
-        temperature=set_(state.temperature, temps[:, None]), key=set_(state.key, keys),
-    )  # fmt: skip
+    steps: int
 
 
 class Engine:
     """A pool of `max_batch` slots of `cache_size` tokens each; each request emits at most
-    `max_new_cap` tokens. The running slots share a `Mode`: greedy (exact argmax) or sampled
-    at one top_p, each slot at its own temperature; the pool switches mode when it drains.
-    A request's token at position p is sampled with a key from (its seed, p), so its samples
-    do not depend on its neighbours; without a seed of its own it gets one from `seed` and its
-    id. Not thread-safe: one thread drives `step`."""
+    `max_new_cap` tokens. With a `drafter`, every step drafts `block_size` tokens and
+    verifies the one draft shape of `menu` (DFlash's chain or DDTree's tree: kdj.api's
+    `pool_drafting` builds these from a method); without one, plain decoding. The running
+    slots share a `Mode`: greedy (exact argmax) or sampled at one top_p, each slot at its own
+    temperature; the pool switches mode when it drains. A request's token at position p is
+    sampled with a key from (its seed, p), so its samples do not depend on its neighbours;
+    without a seed of its own it gets one from `seed` and its id. Not thread-safe: one thread
+    drives `step`."""
 
     def __init__(self, target: Target, max_batch: int, cache_size: int, max_new_cap: int,
-                 *, chunk_steps: int = 32, seed: int = 0):  # fmt: skip
+                 *, drafter: Drafter | None = None, block_size: int = 0,
+                 menu: tuple[DraftShape, ...] = (), chunk_steps: int = 32,
+                 seed: int = 0):  # fmt: skip
         if max_batch < 1 or cache_size < 2 or max_new_cap < 1 or chunk_steps < 1:
             raise ValueError("max_batch, max_new_cap, chunk_steps >= 1 and cache_size >= 2")
         if target.sharding is not None:
             raise ValueError("the serving engine runs on one device (target has a mesh)")
-        self.target, self.B, self.S, self.N = target, max_batch, cache_size, max_new_cap
-        self.greedy, self.chunk_steps = True, chunk_steps  # greedy: the running mode's
+        self.plan = Plan(True, max_new_cap)  # greedy: the running mode's, set per chunk
+        if drafter is not None:
+            if len(menu) != 1 or menu[0].kind == "none":
+                raise ValueError(f"the pool verifies one draft shape per step (method 'dflash' "
+                                 f"or 'ddtree'), got menu {[str(m) for m in menu]}: method "
+                                 f"'auto' does not run on the pool yet")  # fmt: skip
+            if drafter.sharding is not None:
+                raise ValueError("the serving engine runs on one device (drafter has a mesh)")
+            block_size = check_pair(target, drafter, block_size)
+            drafter = drafter.with_kernels(target.cfg.kernels)  # it follows its target's policy
+            # no step verifies more nodes than a cache holds after a one-token prompt
+            menu = arguments.cap_trees(menu, arguments.tree_cap(cache_size, [1]))
+            self.plan = Plan(True, max_new_cap, block_size, menu)
+        elif block_size or menu:
+            raise ValueError("block_size and menu need a drafter")
+        self.target, self.drafter = target, drafter
+        self.B, self.S, self.N = max_batch, cache_size, max_new_cap
+        self.greedy, self.chunk_steps = True, chunk_steps
         self.seed = seed
         self.waiting: collections.deque[Request] = collections.deque()
         self.slots: list[Request | None] = [None] * max_batch
         self.sent = [0] * max_batch  # tokens of each slot's request handed out so far
         self.cancelled: set[int] = set()
         self._ids = itertools.count()
-        self.state = self._empty_state()
+        self.pool = self._empty()
 
-    def _empty_state(self) -> DecodeState:
-        B, N, t = self.B, self.N, self.target
+    @property
+    def method(self) -> str:
+        """What the pool runs: "ar", "dflash" (a chain) or "ddtree" (a tree)."""
+        if not self.plan.speculative:
+            return "ar"
+        return "dflash" if self.plan.menu[0].kind == "chain" else "ddtree"
 
-        def zeros():  # a buffer each: the state is donated
-            return jnp.zeros((B,), jnp.int32)
+    def _empty(self) -> pool.Pool:
+        return pool.empty(self.target, self.drafter, self.plan, self.B, self.S)
 
-        return DecodeState(
-            tcache=init_cache(t.cfg, B, self.S, t.dtype), dcache=None, last=zeros(),
-            pending=None, n_pend=None, out=jnp.zeros((B, N), jnp.int32), n=zeros(),
-            done=jnp.ones((B,), bool), max_new=zeros(), stop_ids=jnp.full((B, STOP_WIDTH), -1),
-            key=request_keys(np.zeros(B, np.uint32), shared=True),
-            temperature=jnp.ones((B, 1), jnp.float32),
-            top_p=jnp.float32(1.0), calibration=jnp.float32(1.0), step=jnp.int32(0),
-            stats=None, auto=None,
-        )  # fmt: skip
+    def _graphs(self) -> tuple:
+        """(tgraph, tstate, dgraph, dstate): the programs' model arguments."""
+        t, d = self.target, self.drafter
+        return (t.graphdef, t.state) + ((None, None) if d is None else (d.graphdef, d.state))
 
     # ------------------------------------------------------------------ requests
     def check(self, req: Request) -> None:
@@ -189,7 +160,7 @@ class Engine:
         self.waiting.clear()
         self.slots = [None] * self.B
         self.cancelled.clear()
-        self.state = self._empty_state()
+        self.pool = self._empty()
         return ids
 
     @property
@@ -202,24 +173,26 @@ class Engine:
         updates = self._drop_cancelled()
         self._admit()
         if any(r is not None for r in self.slots):
-            t = self.target
-            exe = t.executables
-            fn = exe.get(run_chunk, t.graphdef, t.state, self.state, jnp.int32(0),
-                         greedy=self.greedy)  # fmt: skip
-            self.state = fn(t.state, self.state, jnp.int32(self.chunk_steps))
+            tg, ts, dg, ds = self._graphs()
+            plan = dataclasses.replace(self.plan, greedy=self.greedy)
+            fn = self.target.executables.get(pool.chunk, tg, ts, dg, ds, self.pool,
+                                             jnp.int32(0), plan=plan)  # fmt: skip
+            self.pool = fn(ts, ds, self.pool, jnp.int32(self.chunk_steps))
             updates += self._collect()
         return updates
 
     def _drop_cancelled(self) -> list[Update]:
         if not self.cancelled:
             return []
-        dropped = [Update(r.id, [], True) for r in self.waiting if r.id in self.cancelled]
+        dropped = [Update(r.id, [], True, 0) for r in self.waiting if r.id in self.cancelled]
         self.waiting = collections.deque(r for r in self.waiting if r.id not in self.cancelled)
         freed = [b for b, r in enumerate(self.slots) if r is not None and r.id in self.cancelled]
         if freed:
-            idx = jnp.asarray(freed)
-            self.state = dataclasses.replace(self.state, done=self.state.done.at[idx].set(True))
-        updates = dropped + [Update(self.slots[b].id, [], True) for b in freed]
+            state = self.pool.state
+            done = state.done.at[jnp.asarray(freed)].set(True)
+            self.pool = self.pool._replace(state=dataclasses.replace(state, done=done))
+        steps = np.asarray(self.pool.steps)
+        updates = dropped + [Update(self.slots[b].id, [], True, int(steps[b])) for b in freed]
         for b in freed:
             self.slots[b] = None
         self.cancelled.clear()
@@ -253,42 +226,55 @@ class Engine:
             seeds[i] = r.seed if r.seed is not None else (self.seed * 1_000_003 + r.id) % 2**32
             stop[i, : len(r.stop)] = r.stop
             self.slots[b], self.sent[b] = r, 0
-        t = self.target
-        self.state = dataclasses.replace(self.state, top_p=jnp.float32(mode.top_p))
-        args = (self.state, *map(jnp.asarray, (tokens, lens, slots, max_new, stop, temps, seeds)))
-        fn = t.executables.get(admit, t.graphdef, t.state, *args, greedy=self.greedy)
-        self.state = fn(t.state, *args)
+        state = dataclasses.replace(self.pool.state, top_p=jnp.float32(mode.top_p))
+        tg, ts, dg, ds = self._graphs()
+        args = (self.pool._replace(state=state),
+                *map(jnp.asarray, (tokens, lens, slots, max_new, stop, temps, seeds)))  # fmt: skip
+        fn = self.target.executables.get(pool.admit, tg, ts, dg, ds, *args, greedy=self.greedy)
+        self.pool = fn(ts, ds, *args)
 
     def _collect(self) -> list[Update]:
-        n, done = np.asarray(self.state.n), np.asarray(self.state.done)
+        state = self.pool.state
+        n, done, steps = np.asarray(state.n), np.asarray(state.done), np.asarray(self.pool.steps)
         owned = [b for b, r in enumerate(self.slots) if r is not None]
         hi = max(int(n[b]) for b in owned)
-        out = np.asarray(self.state.out[:, :hi])
+        out = np.asarray(state.out[:, :hi])
         updates = []
         for b in owned:
             new = out[b, self.sent[b] : n[b]].tolist()
             self.sent[b] = int(n[b])
             if new or done[b]:
-                updates.append(Update(self.slots[b].id, new, bool(done[b])))
+                updates.append(Update(self.slots[b].id, new, bool(done[b]), int(steps[b])))
             if done[b]:
                 self.slots[b] = None
         return updates
 
 
+class Streamed(NamedTuple):
+    """What generate_stream gives back, one entry per prompt."""
+
+    tokens: list[list[int]]  # generated tokens, ending at the first stop token or the budget
+    steps: list[int]  # the pool's steps each took (plain decoding: tokens - 1)
+
+
 def generate_stream(target: Target, prompts: list[list[int]], max_batch: int, max_new: list[int],
                     stop: list[list[int]], *, cache_size: int, temperature: float = 0.0,
                     top_p: float = 1.0, seed: int = 0, seeds: list[int] | None = None,
-                    chunk_steps: int = 32):  # fmt: skip
-    """Generated tokens of every prompt (token ids), streamed through a pool of `max_batch`
-    slots; each list ends at its first stop token or its budget. seeds: one per prompt (its
-    samples then do not depend on the other prompts); else each is derived from `seed`."""
-    engine = Engine(target, max_batch, cache_size, max(max_new), chunk_steps=chunk_steps,
+                    chunk_steps: int = 32, drafter: Drafter | None = None, block_size: int = 0,
+                    menu: tuple[DraftShape, ...] = ()) -> Streamed:  # fmt: skip
+    """Every prompt (token ids) streamed through a pool of `max_batch` slots (drafting with
+    `drafter` as `Engine` does). seeds: one per prompt (its samples then do not depend on the
+    other prompts); else each is derived from `seed`."""
+    engine = Engine(target, max_batch, cache_size, max(max_new), drafter=drafter,
+                    block_size=block_size, menu=menu, chunk_steps=chunk_steps,
                     seed=seed)  # fmt: skip
     seeds = seeds if seeds is not None else [None] * len(prompts)
     ids = [engine.submit(Request(list(p), m, list(s), temperature, top_p, seed))
            for p, m, s, seed in zip(prompts, max_new, stop, seeds)]  # fmt: skip
     got: dict[int, list[int]] = {i: [] for i in ids}
+    steps = dict.fromkeys(ids, 0)
     while engine.busy:
         for u in engine.step():
             got[u.id] += u.tokens
-    return [got[i] for i in ids]
+            steps[u.id] = u.steps
+    return Streamed([got[i] for i in ids], [steps[i] for i in ids])

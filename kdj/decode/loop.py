@@ -76,25 +76,24 @@ def running(state: DecodeState, plan: Plan):
     return (state.step < plan.max_steps) & ~jnp.all(state.done)
 
 
-def run(target, drafter, state: DecodeState, plan: Plan) -> DecodeState:
-    """The one loop: which body it runs is the plan's method."""
+def body(target, drafter, plan: Plan):
+    """The loop's body for the plan's method: one step (AR, DFlash, DDTree, auto over a menu
+    without "none"), or auto's runs of plain and drafted steps (a menu with "none")."""
     if not plan.speculative:
 
-        def body(s):
+        def step(s):
             with scope("plain_step"):
                 return plain_step(target, s, plan.greedy)
 
-    elif not plan.can_skip:
+        return step
+    if not plan.can_skip:
+        return lambda s: drafted_step(target, drafter, s, plan)
+    return lambda s: auto_runs(target, drafter, s, plan)
 
-        def body(s):
-            return drafted_step(target, drafter, s, plan)
 
-    else:
-
-        def body(s):
-            return auto_runs(target, drafter, s, plan)
-
-    return jax.lax.while_loop(lambda s: running(s, plan), body, state)
+def run(target, drafter, state: DecodeState, plan: Plan) -> DecodeState:
+    """The one loop: which body it runs is the plan's method."""
+    return jax.lax.while_loop(lambda s: running(s, plan), body(target, drafter, plan), state)
 
 
 def check(shape, target, taps, plan, dist, full, tcache, last, limit, key, temperature, top_p):

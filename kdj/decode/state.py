@@ -137,8 +137,8 @@ def init_state(pre: Prefilled, max_new, stop_ids, key, temperature, top_p, calib
         dtype = pre.tcache.k[0].dtype
         pending = jnp.zeros((B, plan.queue_slots, feature_dim), dtype)
         n_pend = jnp.zeros((B,), jnp.int32)
-        zeros = jnp.zeros((B, N), jnp.int32)
-        stats = Stats(zeros, zeros, jnp.full((N,), -1, jnp.int32), jnp.zeros((B, N), jnp.float32))
+        taus, sizes = jnp.zeros((B, N), jnp.int32), jnp.zeros((B, N), jnp.int32)  # a buffer each
+        stats = Stats(taus, sizes, jnp.full((N,), -1, jnp.int32), jnp.zeros((B, N), jnp.float32))
     if plan.adaptive:
         ctrl = auto.init_controller(plan, prior, pre.tcache.lengths, ~done)
     return DecodeState(

@@ -16,7 +16,8 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kdj.decode.engine import Engine
+from kdj import api
+from kdj.decode.engine import Engine, Update
 from kdj.serve.text import Parsed, Served, TextStream, parse
 from kdj.serve.worker import Overloaded, Ticket, Worker
 
@@ -84,7 +85,7 @@ def build_app(worker: Worker, served: Served) -> FastAPI:
                     continue
                 if isinstance(item, Exception):
                     return error(500, str(item), "server_error")
-                text.append(reply.text.feed(item.tokens, item.finished))
+                text.append(reply.feed(item))
                 if item.finished or reply.text.stopped:
                     break
         except asyncio.CancelledError:
@@ -104,7 +105,7 @@ def build_app(worker: Worker, served: Served) -> FastAPI:
                     yield sse({"error": {"message": str(item), "type": "server_error"}})
                     break
                 finished = item.finished
-                delta = reply.text.feed(item.tokens, item.finished)
+                delta = reply.feed(item)
                 done = item.finished or reply.text.stopped
                 if delta:
                     yield sse(reply.chunk(delta, None))
@@ -133,11 +134,18 @@ class Reply:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
+        self.steps = 0  # the engine's steps for this request so far
+
+    def feed(self, update: Update) -> str:
+        """The text delta of an engine update."""
+        self.steps = update.steps
+        return self.text.feed(update.tokens, update.finished)
 
     def usage(self) -> dict:
         n = len(self.text.tokens)
-        # plain decoding: prefill gives the first token, each step one more
-        stats = {"method": "ar", "steps": max(n - 1, 0), "mean_acceptance": 1.0}
+        # tokens per step: prefill gives the first token, each step one or more
+        mean = (n - 1) / self.steps if self.steps else None
+        stats = {"method": self.served.method, "steps": self.steps, "mean_acceptance": mean}
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n,
                 "total_tokens": self.prompt_tokens + n, "kdj": stats}  # fmt: skip
 
@@ -162,17 +170,23 @@ class Reply:
         return obj
 
 
-def make_app(target, name: str, *, max_batch: int = 8, context: int = 2048,
-             max_tokens: int = 256, max_queue: int = 64, chunk_steps: int = 16,
-             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> FastAPI:  # fmt: skip
+def make_app(target, name: str, *, drafter=None, method: str = "ar", block_size=None,
+             tree_budget=None, max_batch: int = 8, context: int = 2048, max_tokens: int = 256,
+             max_queue: int = 64, chunk_steps: int = 16, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int = 0) -> FastAPI:  # fmt: skip
     """The app serving `target` (a kdj.Target with a tokenizer) as model `name`: a pool of
     max_batch slots of `context` tokens each, up to max_queue requests waiting;
-    max_tokens / temperature / top_p are the defaults of a request that gives none."""
+    max_tokens / temperature / top_p are the defaults of a request that gives none. With a
+    `drafter`, method "dflash" or "ddtree" (block_size, tree_budget as kdj.generate takes
+    them) decodes speculatively in the pool; "auto" with a drafter is refused (not yet)."""
     if target.tokenizer is None:
         raise ValueError("serving needs the target's tokenizer (this target has none)")
+    opts = api.check_options(target, drafter, method, block_size, tree_budget, None, None,
+                             temperature, top_p, None)  # fmt: skip
     tok = target.tokenizer
     stop_ids = tuple(sorted(tok.stop_ids or target.cfg.eos_token_ids))
     cap = min(max_tokens, context - 1)
-    engine = Engine(target, max_batch, context, context - 1, chunk_steps=chunk_steps, seed=seed)
-    served = Served(name, tok, stop_ids, cap, temperature, top_p)
+    engine = Engine(target, max_batch, context, context - 1, chunk_steps=chunk_steps, seed=seed,
+                    **api.pool_drafting(opts, drafter))  # fmt: skip
+    served = Served(name, tok, stop_ids, cap, temperature, top_p, engine.method)
     return build_app(Worker(engine, max_queue), served)

@@ -1,0 +1,122 @@
+"""The slot pool's device programs, driven from the host by kdj/decode/engine.py.
+
+    empty   a pool of B free slots: the DecodeState of kdj/decode/loop.py (with the
+            drafter's cache and feature queue when the pool drafts), every row done
+    admit   prefill newcomers into rows of the pool (target and drafter K/V, lengths, the
+            rows' budgets, stops, keys, temperatures; their feature queues emptied)
+    chunk   the loop's own body (loop.body: plain_step or drafted_step) over the whole pool,
+            until a running slot finishes, all are done, or a bound of steps
+
+`Pool` carries, beside the DecodeState, each slot's steps since admission: a request's tokens
+per step, (tokens - 1) / steps (the first token comes from prefill). The state's step-indexed
+`Stats` are not read here: the pool's step count grows without bound, and their writes past
+`plan.max_steps` are dropped, so they stay one fixed buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kdj.cache import KVCache, init_cache
+from kdj.decode import loop
+from kdj.decode.sampling import request_keys
+from kdj.decode.state import DecodeState, Plan, Prefilled, init_state, is_stop
+
+STOP_WIDTH = 8  # stop ids per request (-1 padded): one compile for every request
+
+
+class Pool(NamedTuple):
+    state: DecodeState
+    steps: jax.Array  # [B] int32 steps each slot's request took while running
+
+
+def empty(target, drafter, plan: Plan, B: int, S: int) -> Pool:
+    """B free slots of S tokens; `plan.max_steps` is the most tokens a request emits."""
+
+    def zeros():  # a buffer each: the pool is donated
+        return jnp.zeros((B,), jnp.int32)
+
+    dcache = None if drafter is None else init_cache(drafter.cfg.layers, B, S, target.dtype)
+    pre = Prefilled(zeros(), init_cache(target.cfg, B, S, target.dtype), dcache)
+    width = 0 if drafter is None else target.cfg.hidden_size * len(drafter.cfg.target_layer_ids)
+    state = init_state(pre, zeros(), jnp.full((B, STOP_WIDTH), -1, jnp.int32),
+                       request_keys(np.zeros(B, np.uint32), shared=True),
+                       jnp.ones((B, 1), jnp.float32), 1.0, 1.0, None, plan, width)  # fmt: skip
+    return Pool(state, zeros())
+
+
+@functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "plan"), donate_argnames=("pool",))
+def chunk(tgraph, tstate, dgraph, dstate, pool: Pool, bound, *, plan: Plan) -> Pool:
+    """The loop's body over the pool until a running slot finishes, all are done, or `bound`
+    steps ran. One step per body: auto's runs of plain steps (plan.can_skip) do not fit."""
+    target = nnx.merge(tgraph, tstate)
+    drafter = None if dgraph is None else nnx.merge(dgraph, dstate)
+    step = loop.body(target, drafter, plan)
+    entry_done, stop_at = pool.state.done, pool.state.step + bound
+
+    def cond(p):
+        s = p.state
+        return (s.step < stop_at) & ~jnp.any(s.done & ~entry_done) & ~jnp.all(s.done)
+
+    return jax.lax.while_loop(cond, lambda p: Pool(step(p.state), p.steps + p.state.active), pool)
+
+
+def _put(pool: KVCache, new: KVCache, slots, lens) -> KVCache:
+    """Rows `slots` of the pool's cache take the P slots of a newcomers' cache."""
+    P = new.capacity
+
+    def put(p, n):
+        return p.at[slots, :, :P].set(n, mode="drop")
+
+    return dataclasses.replace(
+        pool, k=[put(p, n) for p, n in zip(pool.k, new.k)],
+        v=[put(p, n) for p, n in zip(pool.v, new.v)],
+        lengths=pool.lengths.at[slots].set(lens, mode="drop"),
+    )  # fmt: skip
+
+
+@functools.partial(
+    jax.jit, static_argnames=("tgraph", "dgraph", "greedy"), donate_argnames=("pool",)
+)
+def admit(tgraph, tstate, dgraph, dstate, pool: Pool, tokens, lens, slots, max_new, stop, temps,
+          seeds, *, greedy) -> Pool:  # fmt: skip
+    """Prefill newcomers tokens [A, P] (with the drafter's context when the pool drafts) and
+    write them into pool rows `slots` [A] (B: padding, dropped). The prefill caches hold P
+    slots only: the pool keeps the rest."""
+    state = pool.state
+    target = nnx.merge(tgraph, tstate)
+    A, P = tokens.shape
+    dtype = state.tcache.k[0].dtype
+    cache, dcache = init_cache(target.cfg, A, P, dtype), None
+    if dgraph is not None:
+        dcache = init_cache(nnx.merge(dgraph, dstate).cfg.layers, A, P, dtype)
+    keys = request_keys(seeds, shared=True)  # a request's samples: (its seed, position)
+    pre = loop.prefill(tgraph, tstate, dgraph, dstate, tokens, lens, cache, dcache, keys,
+                       temps[:, None], state.top_p, greedy=greedy)  # fmt: skip
+    N = state.out.shape[1]
+    row = jnp.zeros((A, N), jnp.int32).at[:, 0].set(pre.first)
+    done = is_stop(pre.first, stop) | (max_new <= 1)
+
+    def set_(x, v):
+        return x.at[slots].set(v, mode="drop")
+
+    state = dataclasses.replace(
+        state, tcache=_put(state.tcache, pre.tcache, slots, lens), last=set_(state.last, pre.first),
+        out=set_(state.out, row), n=set_(state.n, jnp.ones((A,), jnp.int32)),
+        done=set_(state.done, done), max_new=set_(state.max_new, max_new),
+        stop_ids=set_(state.stop_ids, stop), temperature=set_(state.temperature, temps[:, None]),
+        key=set_(state.key, keys),
+    )  # fmt: skip
+    if dgraph is not None:  # the rows' queues start empty, as after a prefill alone
+        state = dataclasses.replace(
+            state, dcache=_put(state.dcache, pre.dcache, slots, lens),
+            pending=set_(state.pending, 0), n_pend=set_(state.n_pend, 0),
+        )  # fmt: skip
+    return Pool(state, set_(pool.steps, 0))
