@@ -88,10 +88,10 @@ def generate(
     larger than the cache can hold after the shortest prompt is cut to that size:
     stats["tree_budget"] / stats["menu"] say what ran. Bad arguments raise TypeError or
     ValueError before anything compiles (kdj.arguments); an argument the method does not use
-    is refused, not ignored. With more prompts than `max_batch`, plain decoding streams them
-    through a pool of max_batch slots (kdj/decode/engine.py; "ar", "dflash" and "ddtree":
-    "auto" with a drafter is refused there): each prompt's result is what it gets alone
-    (greedy: the same tokens).
+    is refused, not ignored. With more prompts than `max_batch`, the prompts stream through a
+    pool of max_batch slots (kdj/decode/engine.py: "ar", "dflash" and "ddtree"; "auto" with a
+    drafter is refused there): each prompt's result is what it gets alone (greedy: the same
+    tokens; stats["request_steps"] and "mean_acceptance" from each prompt's own steps).
 
     Sampling draws the token at position p of a sequence with a key from (its seed, p)
     (kdj/decode/sampling.py): `seed` one int (each row draws its own stream from it; with

@@ -109,6 +109,19 @@ def test_pool_drafts_token_identical(pair, spec):
     assert out.stats["method"] == spec["method"] and out.stats["mean_acceptance"] > 1
 
 
+def test_pool_drafts_sampled_as_alone(pair):
+    """Sampled DFlash with a seed per prompt: each prompt's samples are what it draws alone
+    (per-slot temperatures reach the verify pass's [B, T, V] logits)."""
+    target, drafter = pair
+    prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7]]
+    run = dict(drafter=drafter, method="dflash", max_new_tokens=12, stop_tokens=[],
+               temperature=0.9, top_p=0.9)  # fmt: skip
+    out = kdj.generate(target, prompts, max_batch=2, seed=[11, 12, 13], **run)
+    alone = [kdj.generate(target, [p], seed=[s], **run).tokens[0]
+             for p, s in zip(prompts, [11, 12, 13])]  # fmt: skip
+    assert out.tokens == alone
+
+
 def test_pool_refuses_auto_with_a_drafter(pair):
     target, drafter = pair
     with pytest.raises(ValueError, match="'auto' does not run on the pool"):

@@ -48,7 +48,7 @@ def empty(target, drafter, plan: Plan, B: int, S: int) -> Pool:
     width = 0 if drafter is None else target.cfg.hidden_size * len(drafter.cfg.target_layer_ids)
     state = init_state(pre, zeros(), jnp.full((B, STOP_WIDTH), -1, jnp.int32),
                        request_keys(np.zeros(B, np.uint32), shared=True),
-                       jnp.ones((B, 1), jnp.float32), 1.0, 1.0, None, plan, width)  # fmt: skip
+                       jnp.ones((B,), jnp.float32), 1.0, 1.0, None, plan, width)  # fmt: skip
     return Pool(state, zeros())
 
 
@@ -99,7 +99,7 @@ def admit(tgraph, tstate, dgraph, dstate, pool: Pool, tokens, lens, slots, max_n
         dcache = init_cache(nnx.merge(dgraph, dstate).cfg.layers, A, P, dtype)
     keys = request_keys(seeds, shared=True)  # a request's samples: (its seed, position)
     pre = loop.prefill(tgraph, tstate, dgraph, dstate, tokens, lens, cache, dcache, keys,
-                       temps[:, None], state.top_p, greedy=greedy)  # fmt: skip
+                       temps, state.top_p, greedy=greedy)  # fmt: skip
     N = state.out.shape[1]
     row = jnp.zeros((A, N), jnp.int32).at[:, 0].set(pre.first)
     done = is_stop(pre.first, stop) | (max_new <= 1)
@@ -111,7 +111,7 @@ def admit(tgraph, tstate, dgraph, dstate, pool: Pool, tokens, lens, slots, max_n
         state, tcache=_put(state.tcache, pre.tcache, slots, lens), last=set_(state.last, pre.first),
         out=set_(state.out, row), n=set_(state.n, jnp.ones((A,), jnp.int32)),
         done=set_(state.done, done), max_new=set_(state.max_new, max_new),
-        stop_ids=set_(state.stop_ids, stop), temperature=set_(state.temperature, temps[:, None]),
+        stop_ids=set_(state.stop_ids, stop), temperature=set_(state.temperature, temps),
         key=set_(state.key, keys),
     )  # fmt: skip
     if dgraph is not None:  # the rows' queues start empty, as after a prefill alone

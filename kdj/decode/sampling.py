@@ -35,9 +35,11 @@ def position_keys(keys, positions) -> jax.Array:
 
 def target_probs(logits, temperature, top_p):
     """The distribution p the target samples from: softmax(logits / T) restricted to the top-p
-    nucleus and renormalised. logits [..., V] float32 -> probs [..., V] float32.
+    nucleus and renormalised. logits [B, ..., V] float32 -> probs [B, ..., V] float32;
+    temperature [] or [B] (one per sequence, as the engine's pool has).
     """
-    probs = jax.nn.softmax(logits / temperature, axis=-1)
+    t = jnp.asarray(temperature)
+    probs = jax.nn.softmax(logits / t.reshape(t.shape + (1,) * (logits.ndim - t.ndim)), axis=-1)
 
     def nucleus(probs):
         sorted_p = jnp.sort(probs, axis=-1)[..., ::-1]

@@ -88,7 +88,7 @@ class DecodeState:
     max_new: jax.Array  # [B] int32 per-sequence token budget
     stop_ids: jax.Array  # [B, K] int32 (-1 = unused)
     key: jax.Array  # [B] PRNG keys: the token at position p samples with fold_in(key[b], p)
-    temperature: jax.Array  # [] float32
+    temperature: jax.Array  # [] float32, or [B] (the engine's pool: one per slot)
     top_p: jax.Array  # [] float32
     calibration: jax.Array  # [] float32 forecast temperature of the drafter
     step: jax.Array  # [] int32 steps taken
