@@ -71,17 +71,17 @@ class Update(NamedTuple):
 
 class Engine:
     """A pool of `max_batch` slots of `cache_size` tokens each; each request emits at most
-    `max_new_cap` tokens. With a `drafter`, every step drafts `block_size` tokens and
-    verifies the one draft shape of `menu` (DFlash's chain or DDTree's tree: kdj.api's
-    `pool_drafting` builds these from a method); without one, plain decoding. The running
-    slots share a `Mode`: greedy (exact argmax) or sampled at one top_p, each slot at its own
-    temperature; the pool switches mode when it drains. A request's token at position p is
-    sampled with a key from (its seed, p), so its samples do not depend on its neighbours;
-    without a seed of its own it gets one from `seed` and its id. Not thread-safe: one thread
-    drives `step`."""
+    `max_new_cap` tokens. With a `drafter`, every step drafts `block_size` tokens (default:
+    the drafter's) and verifies the one draft shape of `menu` (DFlash's chain or DDTree's
+    tree: kdj.api's `pool_drafting` builds these from a method); without one, plain decoding.
+    The running slots share a `Mode`: greedy (exact argmax) or sampled at one top_p, each slot
+    at its own temperature; the pool switches mode when it drains. A request's token at
+    position p is sampled with a key from (its seed, p), so its samples do not depend on its
+    neighbours; without a seed of its own it gets one from `seed` and its id. Not
+    thread-safe: one thread drives `step`."""
 
     def __init__(self, target: Target, max_batch: int, cache_size: int, max_new_cap: int,
-                 *, drafter: Drafter | None = None, block_size: int = 0,
+                 *, drafter: Drafter | None = None, block_size: int | None = None,
                  menu: tuple[DraftShape, ...] = (), chunk_steps: int = 32,
                  seed: int = 0):  # fmt: skip
         if max_batch < 1 or cache_size < 2 or max_new_cap < 1 or chunk_steps < 1:
@@ -101,7 +101,7 @@ class Engine:
             # no step verifies more nodes than a cache holds after a one-token prompt
             menu = arguments.cap_trees(menu, arguments.tree_cap(cache_size, [1]))
             self.plan = Plan(True, max_new_cap, block_size, menu)
-        elif block_size or menu:
+        elif block_size is not None or menu:
             raise ValueError("block_size and menu need a drafter")
         self.target, self.drafter = target, drafter
         self.B, self.S, self.N = max_batch, cache_size, max_new_cap
@@ -260,7 +260,8 @@ class Streamed(NamedTuple):
 def generate_stream(target: Target, prompts: list[list[int]], max_batch: int, max_new: list[int],
                     stop: list[list[int]], *, cache_size: int, temperature: float = 0.0,
                     top_p: float = 1.0, seed: int = 0, seeds: list[int] | None = None,
-                    chunk_steps: int = 32, drafter: Drafter | None = None, block_size: int = 0,
+                    chunk_steps: int = 32, drafter: Drafter | None = None,
+                    block_size: int | None = None,
                     menu: tuple[DraftShape, ...] = ()) -> Streamed:  # fmt: skip
     """Every prompt (token ids) streamed through a pool of `max_batch` slots (drafting with
     `drafter` as `Engine` does). seeds: one per prompt (its samples then do not depend on the
