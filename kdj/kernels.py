@@ -59,8 +59,9 @@ class KernelPolicy:
     # Deterministic mode (kdj.generate(deterministic=True)): every choice below is made
     # without looking at how many rows are in flight, so a row's result is the same in a
     # 1-token decode, a k-token verify and any batch: no one-row GEMVs (their XLA twin is a
-    # different reduction), no attention kernel (its slot split depends on batch, T and the
-    # prefix length), MoE always per-assignment with a split-K fixed per weight.
+    # different reduction); where Pallas runs (the GPU), matmuls on fixed tiles and the
+    # attention kernel for every T with splits fixed from slot 0 (XLA picks its GEMM per
+    # shape); MoE always per-assignment with a split-K fixed per weight.
     deterministic: bool = False
 
     def __post_init__(self):
@@ -113,19 +114,27 @@ class KernelPolicy:
     def attention_kernel_for(self, T: int) -> bool:
         """Whether GQA attention of T new tokens runs the kernel: T > 1 (at T = 1 XLA's form
         is as fast up to ~8K of context)."""
-        return self.attention == PALLAS and not self.deterministic and T > 1
+        return self.attention == PALLAS and (T > 1 or self.deterministic)
 
     def latent_kernel_for(self, T: int, heads: int, capacity: int) -> bool:
         """Whether MLA attention of T new tokens x `heads` over a `capacity`-slot cache runs
         the kernel."""
         decode = T == 1 and capacity >= self.latent_min_decode_capacity
         if self.deterministic:
-            return False
+            return self.latent_attention == PALLAS
         return self.latent_attention == PALLAS and (decode or T * heads >= self.latent_min_rows)
 
     def min_split_blocks(self, T: int) -> int:
         """The fewest K blocks in one tree-attention slot split for T new tokens."""
         return self.decode_split_blocks if T == 1 else self.split_blocks
+
+    def attention_config(self, T: int) -> dict:
+        """The attention kernel's split settings for T new tokens: sized to fill the GPU, or
+        in deterministic mode one layout for every T and batch (splits of split_blocks
+        blocks from slot 0, query tiles of 64 rows)."""
+        if self.deterministic:
+            return dict(fixed_split=self.split_blocks, block_q=64, block_k=64)
+        return dict(programs=self.attention_programs, min_split_blocks=self.min_split_blocks(T))
 
     def gather_limit(self, expert_kernel: bool) -> float:
         """Assignments per expert up to which MoE gathers experts (the GEMV path), with or
@@ -137,6 +146,19 @@ class KernelPolicy:
         `experts` experts, else grouped matmuls: always gathered when deterministic (each
         assignment its own matvec, whatever the batch), else up to the gather limit."""
         return self.deterministic or assignments <= self.gather_limit(expert_kernel) * experts
+
+    # Deterministic mode's matmul tiles (layers.fixed_tile_matmul): one configuration for
+    # every row count, so a row's sums run in the same order in a decode and a verify.
+    FIXED_TILES = dict(block_m=64, block_k=64, block_f=128, num_warps=4)
+
+    def fixed_tiles_for(self, K: int, F: int) -> bool:
+        """Whether a [K, F] matmul runs with fixed tiles: deterministic, where dense weights
+        take Pallas kernels (dense_gemv "pallas": the GPU, unsharded), and K splits into
+        tiles of 16 to 64."""
+        from kdj.pallas.expert_grouped import supported, tile_k
+
+        fixed = self.deterministic and self.dense_gemv == PALLAS
+        return fixed and supported("float", K, F, bk=tile_k(K, self.FIXED_TILES["block_k"]))
 
     def split_rows(self, rows: int) -> int:
         """The row count a GEMV sizes its split-K for: `rows`, or 1 when deterministic (one

@@ -11,6 +11,7 @@ import pytest
 import kdj
 from kdj.cache import init_cache
 from kdj.config import ModelConfig
+from kdj.kernels import KernelPolicy
 from kdj.models import layers
 from kdj.models.transformer import build_model
 from tests.test_adaptive import switching  # noqa: F401 (fixture: auto visits every branch)
@@ -89,6 +90,24 @@ def test_verify_rows_equal_decode_steps_and_the_check_catches_a_width_dependent_
     assert rows_match_steps(det)
     monkeypatch.setattr(layers, "matmul", width_dependent_matmul)
     assert not rows_match_steps(det)
+
+
+def test_fixed_tiles_and_splits_keep_rows_equal(pair):
+    """Deterministic mode where Pallas runs (the GPU): matmuls and logits on fixed tiles
+    (layers.fixed_tile_matmul), attention with splits fixed from slot 0; here in Pallas'
+    interpreter, on a target whose heads the attention kernel takes."""
+    family, _, _ = pair
+    if family != "llama":
+        pytest.skip("the dense projections and GQA attention are the llama family's")
+    cfg = ModelConfig.from_hf(dict(CONFIGS["llama"], hidden_size=64, head_dim=16))
+    target = kdj.Target.from_model(build_model(cfg, jnp.bfloat16, seed=1))
+    policy = KernelPolicy(dense_gemv="pallas", attention="pallas", deterministic=True)
+    assert policy.fixed_tiles_for(32, 64) and not policy.fixed_tiles_for(40, 64)  # 40: tiles of 8
+    assert policy.attention_kernel_for(1) and policy.attention_config(1)["fixed_split"]
+    assert rows_match_steps(target.with_kernels(policy))
+    x = jax.random.normal(jax.random.key(0), (70, 64), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (64, 200), jnp.float32)
+    assert jnp.allclose(layers.fixed_tile_matmul(x, w), x @ w, atol=1e-4, rtol=1e-4)
 
 
 def check_all_methods(family, target, drafter, ar, **kw):

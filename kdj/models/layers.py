@@ -16,7 +16,7 @@ from flax import nnx
 
 from kdj.config import ModelConfig
 from kdj.kernels import KernelPolicy
-from kdj.pallas import expert_gemv, tree_attention
+from kdj.pallas import expert_gemv, expert_grouped, tree_attention
 
 NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax rather than NaN
 
@@ -37,10 +37,30 @@ def zeros(shape, axes, dtype) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, dtype), axes=tuple(axes))
 
 
+def fixed_tile_matmul(x, w):
+    """x [n, K] @ w [K, F] -> [n, F] float32 on the grouped Pallas kernel with one "expert"
+    and tiles fixed per weight (KernelPolicy.FIXED_TILES): each row's sums run in an order
+    that does not depend on n, which XLA's GEMM (its algorithm picked per shape) does not
+    promise."""
+    n, K = x.shape
+    t = KernelPolicy.FIXED_TILES
+    nb = -(-n // t["block_m"])
+    rows = np.arange(nb * t["block_m"], dtype=np.int32)
+    rows = np.where(rows < n, rows, -1)  # static: one expert's rows in order, then padding
+    be = np.zeros(nb, np.int32)
+    y = expert_grouped.grouped_matmul(x, rows, be, w.reshape(1, K, -1), **t)
+    return y[:n]
+
+
 def matmul(x, w, kernels: KernelPolicy):
     """x [..., K] @ w [K, *out] -> [..., *out] in their result dtype (float32 accumulation).
     One row through a mid-sized matrix runs the Pallas GEMV split over K where `kernels`
-    says so: XLA rewrites a one-row dot into a multiply + reduce that streams at ~1 TB/s."""
+    says so: XLA rewrites a one-row dot into a multiply + reduce that streams at ~1 TB/s.
+    Deterministic mode on the GPU runs every matmul with tiles fixed per weight."""
+    K = w.shape[0]
+    if kernels.fixed_tiles_for(K, w.size // K):
+        y = fixed_tile_matmul(x.reshape(-1, K), w.reshape(K, -1))
+        return y.astype(jnp.result_type(x, w)).reshape(*x.shape[:-1], *w.shape[1:])
     if not kernels.dense_gemv_for(math.prod(x.shape[:-1]), w.size):
         return jnp.tensordot(x, w, axes=1)  # w keeps its shape: a flattening could reshard it
     K, out = w.shape[0], w.shape[1:]
@@ -235,10 +255,8 @@ def attend(q, k, v, start, tree, scale: float, kernels: KernelPolicy):
     if kernels.attention_kernel_for(T) and tree_attention.supported(
         q.shape, k.shape, v.shape[-1], latent=False
     ):
-        return tree_attention.tree_attention(
-            q, k, v, start, tree, scale, programs=kernels.attention_programs,
-            min_split_blocks=kernels.min_split_blocks(T),
-        )  # fmt: skip
+        return tree_attention.tree_attention(q, k, v, start, tree, scale,
+                                             **kernels.attention_config(T))  # fmt: skip
     return reference_attention(q, k, v, start, tree, scale)
 
 
@@ -251,10 +269,8 @@ def attend_latent(q, kv, start, tree, scale: float, v_dim: int, kernels: KernelP
     if kernels.latent_kernel_for(T, H, S) and tree_attention.supported(
         q.shape, kv.shape, v_dim, latent=True
     ):
-        return tree_attention.latent_tree_attention(
-            q, kv, start, tree, scale, v_dim, programs=kernels.attention_programs,
-            min_split_blocks=kernels.min_split_blocks(T),
-        )  # fmt: skip
+        return tree_attention.latent_tree_attention(q, kv, start, tree, scale, v_dim,
+                                                    **kernels.attention_config(T))  # fmt: skip
     return reference_attention(q, kv, kv[..., :v_dim], start, tree, scale)
 
 

@@ -87,6 +87,7 @@ def _kernel(
     bq: int,
     bk: int,
     n_prefix_splits: int,
+    fixed_split: int,
     precision,
 ):
     v_ref, o_ref, m_ref, l_ref = (None, *rest) if latent else rest
@@ -140,6 +141,14 @@ def _kernel(
         jnp.full((bq,), -jnp.inf, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
     )
+    if fixed_split:  # program sp: blocks [sp F, (sp + 1) F) of the slot axis, all masked
+        lo = jnp.minimum(sp * fixed_split, pl.cdiv(end, bk))
+        hi = jnp.minimum(lo + fixed_split, pl.cdiv(end, bk))
+        o, m, l = lax.fori_loop(lo, hi, functools.partial(step, tail=True), carry)
+        o_ref[...] = o
+        m_ref[...] = m
+        l_ref[...] = l
+        return
     # Prefix programs sp < NS share the n_full unmasked blocks; program NS does the tail.
     per = pl.cdiv(n_full, n_prefix_splits)
     lo, hi = jnp.minimum(sp * per, n_full), jnp.minimum((sp + 1) * per, n_full)
@@ -162,10 +171,14 @@ def _flash(q, k, v, start, tree, scale, *, G, latent, dv, cfg, interpret):
     nq = pl.cdiv(R, bq)
     Rp = nq * bq
     q = jnp.pad(q, ((0, 0), (0, 0), (0, Rp - R), (0, 0)))
-    ns = cfg.get("num_splits") or slot_splits(
-        B, KVH, nq, S, bk, programs=cfg.get("programs") or DEFAULT.attention_programs,
-        min_blocks=cfg.get("min_split_blocks") or DEFAULT.min_split_blocks(T),
-    )  # fmt: skip
+    fixed = cfg.get("fixed_split") or 0
+    if fixed:  # splits of `fixed` blocks from slot 0, no tail program (see `tree_attention`)
+        ns = pl.cdiv(pl.cdiv(S, bk), fixed) - 1
+    else:
+        ns = cfg.get("num_splits") or slot_splits(
+            B, KVH, nq, S, bk, programs=cfg.get("programs") or DEFAULT.attention_programs,
+            min_blocks=cfg.get("min_split_blocks") or DEFAULT.min_split_blocks(T),
+        )  # fmt: skip
     parts = _pow2_parts(Dk)
     kernel = functools.partial(
         _kernel,
@@ -179,6 +192,7 @@ def _flash(q, k, v, start, tree, scale, *, G, latent, dv, cfg, interpret):
         bq=bq,
         bk=bk,
         n_prefix_splits=ns,
+        fixed_split=fixed,
         precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
     )
     ins = [start.astype(jnp.int32), tree.astype(jnp.int8).reshape(-1), q, k]
@@ -224,8 +238,11 @@ def tree_attention(q, k, v, start, tree, scale: float, *, interpret: bool | None
     """GQA tree attention. q [B, T, H, Dk]; k [B, KVH, S, Dk]; v [B, KVH, S, Dv]; start [B]
     int32; tree [B, T, T] bool. Returns [B, T, H, Dv] in q's dtype. ``cfg``: block_q,
     block_k, num_warps, num_stages (defaults tuned on the H200); num_splits, or the rule's
-    programs and min_split_blocks (default: kdj.kernels.DEFAULT's). interpret: run in Pallas'
-    interpreter (default: everywhere but on a GPU)."""
+    programs and min_split_blocks (default: kdj.kernels.DEFAULT's); or fixed_split=F: every
+    program masks and owns F blocks counted from slot 0, so with a fixed block_q a query's
+    sums run in an order set by its key positions alone, whatever the batch, T or prefix
+    (deterministic mode). interpret: run in Pallas' interpreter (default: everywhere but on a
+    GPU)."""
     B, T, H, Dk = q.shape
     KVH, Dv = k.shape[1], v.shape[-1]
     G = H // KVH
