@@ -151,14 +151,10 @@ class KernelPolicy:
     # every row count, so a row's sums run in the same order in a decode and a verify.
     FIXED_TILES = dict(block_m=64, block_k=64, block_f=128, num_warps=4)
 
-    def fixed_tiles_for(self, K: int, F: int) -> bool:
-        """Whether a [K, F] matmul runs with fixed tiles: deterministic, where dense weights
-        take Pallas kernels (dense_gemv "pallas": the GPU, unsharded), and K splits into
-        tiles of 16 to 64."""
-        from kdj.pallas.expert_grouped import supported, tile_k
-
-        fixed = self.deterministic and self.dense_gemv == PALLAS
-        return fixed and supported("float", K, F, bk=tile_k(K, self.FIXED_TILES["block_k"]))
+    def fixed_tiles(self) -> bool:
+        """Whether matmuls run with fixed tiles: deterministic, where dense weights take
+        Pallas kernels (dense_gemv "pallas": the GPU, unsharded)."""
+        return self.deterministic and self.dense_gemv == PALLAS
 
     def split_rows(self, rows: int) -> int:
         """The row count a GEMV sizes its split-K for: `rows`, or 1 when deterministic (one

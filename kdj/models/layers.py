@@ -37,11 +37,23 @@ def zeros(shape, axes, dtype) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, dtype), axes=tuple(axes))
 
 
+def pad_inputs(x, w, axis: int):
+    """x [n, K] and w (K on `axis`) with K zero-padded to a multiple of 16, the shortest
+    tensor-core tile (the zeros add nothing to any sum)."""
+    pad = -x.shape[-1] % 16
+    if not pad:
+        return x, w
+    widths = [(0, 0)] * w.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, ((0, 0), (0, pad))), jnp.pad(w, widths)
+
+
 def fixed_tile_matmul(x, w):
     """x [n, K] @ w [K, F] -> [n, F] float32 on the grouped Pallas kernel with one "expert"
     and tiles fixed per weight (KernelPolicy.FIXED_TILES): each row's sums run in an order
     that does not depend on n, which XLA's GEMM (its algorithm picked per shape) does not
     promise."""
+    x, w = pad_inputs(x, w, axis=0)
     n, K = x.shape
     t = KernelPolicy.FIXED_TILES
     nb = -(-n // t["block_m"])
@@ -58,7 +70,7 @@ def matmul(x, w, kernels: KernelPolicy):
     says so: XLA rewrites a one-row dot into a multiply + reduce that streams at ~1 TB/s.
     Deterministic mode on the GPU runs every matmul with tiles fixed per weight."""
     K = w.shape[0]
-    if kernels.fixed_tiles_for(K, w.size // K):
+    if kernels.fixed_tiles():
         y = fixed_tile_matmul(x.reshape(-1, K), w.reshape(K, -1))
         return y.astype(jnp.result_type(x, w)).reshape(*x.shape[:-1], *w.shape[1:])
     if not kernels.dense_gemv_for(math.prod(x.shape[:-1]), w.size):
@@ -75,9 +87,15 @@ def head_matmul(x, w, kernels: KernelPolicy):
     dtype (float32 accumulation). MLA's absorbed projections (w_uk, w_uv) at one row per head
     run the Pallas GEMV with the heads as its "experts" where `kernels` says so; anything
     else XLA's batched dot."""
+    H, K, F = w.shape
+    if kernels.fixed_tiles():  # deterministic: the heads as experts, tiles fixed
+        rows, w = pad_inputs(x.reshape(-1, K), w, axis=1)
+        ids = jnp.tile(jnp.arange(H, dtype=jnp.int32), rows.shape[0] // H)
+        y = expert_grouped.expert_grouped(rows, ids, w, cols_first=False,
+                                          **KernelPolicy.FIXED_TILES)  # fmt: skip
+        return y.astype(jnp.result_type(x, w)).reshape(*x.shape[:-1], F)
     if not kernels.head_gemv_for(math.prod(x.shape[:-2])):
         return jnp.einsum("...hk,hkf->...hf", x, w)
-    H, K, F = w.shape
     y = expert_gemv.expert_gemv(x.reshape(H, K), np.arange(H, dtype=np.int32), w)  # [H, F]
     return y.astype(jnp.result_type(x, w)).reshape(*x.shape[:-1], F)
 

@@ -12,6 +12,7 @@ from kdj.models.layers import (
     RMSNorm,
     apply_rope,
     attend,
+    matmul,
     param,
     rope_frequencies,
     softmax_scale,
@@ -50,7 +51,11 @@ class GQAAttention(nnx.Module):
         H, KVH, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         G = H // KVH
         inv_freq, amp = rope_frequencies(cfg)
-        qkv = jnp.einsum("btd,dkgh->btkgh", x, self.qkv[...])
+        w = self.qkv[...]
+        if cfg.kernels.fixed_tiles():  # deterministic: fixed tiles (layers.matmul)
+            qkv = matmul(x, w, cfg.kernels)
+        else:
+            qkv = jnp.einsum("btd,dkgh->btkgh", x, w)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...]
         q = qkv[:, :, :, :G].reshape(B, T, H, hd)

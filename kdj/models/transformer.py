@@ -101,7 +101,7 @@ class Transformer(nnx.Module):
     def logits(self, h):
         """Final projection [..., D] -> [..., V] in float32 (tied embeddings or lm_head)."""
         w = self.embed[...].T if self.lm_head is None else self.lm_head.kernel[...]
-        if self.cfg.kernels.fixed_tiles_for(*w.shape):  # deterministic mode on the GPU
+        if self.cfg.kernels.fixed_tiles():  # deterministic mode on the GPU
             return fixed_tile_matmul(h.reshape(-1, w.shape[0]), w).reshape(*h.shape[:-1], -1)
         return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
 
