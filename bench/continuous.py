@@ -34,7 +34,7 @@ def timed(call) -> float:
     return time.perf_counter() - t
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", required=True, help="eval_prompts.json (kdj train-drafter)")
     p.add_argument("--drafter", default="smollm2-135m-dflash-b16")
@@ -45,7 +45,11 @@ def main(argv=None):
     p.add_argument("--chunk-steps", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     from kdj.train.loop import chat_prompts
 
     target = kdj.load_target("smollm2-135m-instruct", dtype="bfloat16")

@@ -91,7 +91,7 @@ def moe_rows(args, log):
     return rows
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", required=True, help="eval_prompts.json (kdj train-drafter)")
     p.add_argument("--drafter", default="smollm2-135m-dflash-b16")
@@ -109,7 +109,11 @@ def main(argv=None):
     p.add_argument("--moe-layers", type=int, default=4)
     p.add_argument("--moe-batches", nargs="*", type=int, default=[1, 8, 64])
     p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     from kdj.train.loop import chat_prompts
 
     target = kdj.load_target("smollm2-135m-instruct", dtype="bfloat16")

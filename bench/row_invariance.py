@@ -75,11 +75,15 @@ def attention_rows(S=640, D=64, H=9) -> dict:
     return {**out, "rmsnorm": rows}
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", nargs="+", type=int, default=[1, 2, 8, 16, 64, 256, 1024, 4096])
     p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     x = jax.random.normal(jax.random.key(0), (max(args.rows), 1536), jnp.bfloat16)
     res = {"matmul": {}, "attention": attention_rows()}
     for name, (K, N) in SHAPES.items():

@@ -161,6 +161,28 @@ SUITES = {
             ),
         ),
     ),  # fmt: skip
+    "deterministic": Suite(
+        "deterministic mode: which ops keep a row's bits at any row count, then every "
+        "method's tokens against deterministic AR at batch 1-256 and the mode's cost",
+        (
+            step("row-invariance", "row_invariance.py --out {out}/row_invariance.json"),
+            step(
+                "deterministic",
+                "deterministic.py --prompts {prompts} --batches 1 8 64 256 "
+                "--out {out}/deterministic.json",
+            ),
+        ),
+    ),  # fmt: skip
+    "continuous": Suite(
+        "continuous batching (the slot pool) against static batches, mixed output lengths",
+        (
+            step(
+                "continuous",
+                "continuous.py --prompts {prompts} --requests 256 --slots 64 --lengths 16 "
+                "512 --methods ar dflash --out {out}/continuous.json",
+            ),
+        ),
+    ),  # fmt: skip
     "multi-gpu": Suite(
         "tp, ep and ep_dp_attn meshes on every local GPU: AR, DFlash, DDTree (2+ GPUs)",
         (
