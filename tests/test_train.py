@@ -912,3 +912,12 @@ def test_online_rounds_train_on_fresh_data_and_resume(target, tmp_path, monkeypa
     assert spans[0][1] == spans[1][0]  # consecutive, disjoint stream spans
     drafter = kdj.load_drafter(tmp_path / "run" / "drafter", target=target)
     assert drafter.cfg.layers.num_layers == 1
+
+
+def test_depth_rates_are_conditional_acceptance_per_draft_position():
+    from kdj.train.evaluate import depth_rates
+
+    # accepted drafts per step: 0, 2, 1 and 3 -> draft 1: 3 of 4 steps, draft 2: 2 of those 3,
+    # draft 3: 1 of those 2; nothing reached draft 4
+    assert depth_rates([[1, 3, 2], [4]], 5) == [0.75, 2 / 3, 0.5, 0.0]
+    assert depth_rates([[1, 1]], 3) == [0.0]

@@ -28,12 +28,30 @@ def _run(target, prompts, drafter, method, temperature, max_new_tokens, seed, **
         seed=seed,
         **kw,
     ).stats
-    return {
+    out = {
         "tau": s["mean_acceptance"],
         "tokens_per_s": s["tokens_per_s"],
         "new_tokens": s["new_tokens"],
         "decode_s": s["decode_s"],
     }
+    if method != "ar":
+        out["depth_acceptance"] = depth_rates(s["acceptance_lengths"], drafter.cfg.block_size - 1)
+    return out
+
+
+def depth_rates(lengths, depth: int) -> list[float]:
+    """How far into the block the drafter stays right: for k = 1..depth, the share of steps
+    that accepted draft k among those that accepted drafts 1..k-1. lengths: tokens each step
+    committed (the bonus included), per sequence; the list stops where no step got that far."""
+    accepted = [n - 1 for row in lengths for n in row]
+    rates, reached = [], len(accepted)
+    for k in range(1, depth + 1):
+        if not reached:
+            break
+        got = sum(a >= k for a in accepted)
+        rates.append(got / reached)
+        reached = got
+    return rates
 
 
 def eval_acceptance(
