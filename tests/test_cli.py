@@ -54,6 +54,17 @@ def test_convert_roundtrip(tmp_path, capsys):
         kdj.load_target(tmp_path / "orbax", dtype="float32")
 
 
+@pytest.fixture(scope="module")
+def saved_drafter(tmp_path_factory):
+    """A random 1-layer drafter for the built-in target, saved once for both methods."""
+    from tests.test_speculative import make_drafter
+
+    target = kdj.load_target("smollm2-135m-instruct", dtype="float32")
+    path = tmp_path_factory.mktemp("drafter") / "d"
+    make_drafter(target, layers=1, block=4, ids=(3, 20), mask=0).save(path)
+    return path
+
+
 @pytest.mark.parametrize(
     "flags, expect",
     [
@@ -61,12 +72,8 @@ def test_convert_roundtrip(tmp_path, capsys):
         (["--method", "ddtree", "--tree-budget", "8"], "tree budget 8, mean tree size 8.0"),
     ],
 )
-def test_generate_with_a_drafter_prints_acceptance(tmp_path, capsys, flags, expect):
-    from tests.test_speculative import make_drafter
-
-    target = kdj.load_target("smollm2-135m-instruct", dtype="float32")
-    make_drafter(target, layers=1, block=4, ids=(3, 20), mask=0).save(tmp_path / "d")
-    argv = ["generate", "--drafter", str(tmp_path / "d"), "--max-new-tokens", "16", *flags]
+def test_generate_with_a_drafter_prints_acceptance(saved_drafter, capsys, flags, expect):
+    argv = ["generate", "--drafter", str(saved_drafter), "--max-new-tokens", "16", *flags]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "The capital of Australia is Canberra." in out

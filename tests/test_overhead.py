@@ -18,6 +18,12 @@ from kdj.decode.step import accept, propose, verify
 from kdj.models.transformer import build_model, full_sequence
 
 V = 12
+# jitted, as a step runs them: dispatching their many small ops one by one takes far longer
+build_trees = jax.jit(trees.build_trees, static_argnums=1)
+draft_trees = jax.jit(trees.draft_trees, static_argnums=1)
+draft_tree = jax.jit(trees.draft_tree, static_argnums=0)
+expected_tokens = jax.jit(trees.expected_tokens, static_argnums=0)
+committable = jax.jit(trees.committable)
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +39,10 @@ def target():
 def greedy_path(target, seq, n):
     """The target's greedy continuation of the token list seq, n tokens."""
     seq = list(seq)
+    forward = jax.jit(full_sequence, static_argnums=0)  # one compile for the padded shape
     for _ in range(n):
         padded = jnp.asarray([seq + [0] * (16 - len(seq))], jnp.int32)
-        logits = full_sequence(target.graphdef, target.state, padded)[0][0, len(seq) - 1]
+        logits = forward(target.graphdef, target.state, padded)[0][0, len(seq) - 1]
         seq.append(int(jnp.argmax(logits)))
     return seq[-n:]
 
@@ -76,7 +83,7 @@ def test_a_step_near_the_end_keeps_every_node_it_can_still_commit(target):
                     init_cache(target.cfg, 1, S, jnp.float32), None, key, one, one,
                     greedy=True).tcache  # fmt: skip
     shape = trees.DraftShape("tree", 16)
-    full = trees.build_trees(lp, 16)
+    full = build_trees(lp, 16)
     lp = trees.Draft.of(lp)
     room = S - 1 - len(prompt)  # 4 slots after the root
     last = jnp.asarray([root], jnp.int32)
@@ -104,12 +111,12 @@ def run_step(target, shape, lp, cache, last, limit, room):
 
 def test_committable_is_the_identity_when_everything_fits():
     lp = jax.nn.log_softmax(jax.random.normal(jax.random.key(1), (2, 4, 7)), axis=-1)
-    tree = trees.build_trees(lp, 12)
-    same = trees.committable(tree, jnp.asarray([4, 4]), jnp.asarray([20, 12]))
+    tree = build_trees(lp, 12)
+    same = committable(tree, jnp.asarray([4, 4]), jnp.asarray([20, 12]))
     for k in tree:
         np.testing.assert_array_equal(np.asarray(same[k]), np.asarray(tree[k]))
     chain = trees.chain_trees(trees.Draft.of(lp))
-    cut = trees.committable(chain, jnp.asarray([2, 4]), jnp.asarray([20, 3]))
+    cut = committable(chain, jnp.asarray([2, 4]), jnp.asarray([20, 3]))
     assert np.asarray(cut["valid"]).tolist() == [[True, True, False, False], [True] * 3 + [False]]
     np.testing.assert_array_equal(np.asarray(cut["tokens"]), np.asarray(chain["tokens"]))
 
@@ -122,7 +129,7 @@ def test_reduced_draft_paths_equal_the_full_log_softmax_ones():
     lp = jax.nn.log_softmax(logits, axis=-1)
     dist = trees.Draft.of(logits)
     for budget in (1, 7, 16, 64):  # 64 > V: the top-K is the whole vocabulary
-        old, new = trees.build_trees(lp, budget), trees.draft_trees(dist, budget)
+        old, new = build_trees(lp, budget), draft_trees(dist, budget)
         for k in ("tokens", "depth", "parent", "valid", "ancestors"):
             np.testing.assert_array_equal(np.asarray(new[k]), np.asarray(old[k]), k)
         np.testing.assert_allclose(new["score"], old["score"], atol=1e-5)
@@ -132,12 +139,12 @@ def test_reduced_draft_paths_equal_the_full_log_softmax_ones():
     for cal in (1.0, 1.7):
         lp_cal = np.asarray(jax.nn.log_softmax(lp / cal, axis=-1))
         for shape in (trees.DraftShape("chain", 4), trees.DraftShape("tree", 16)):
-            tree = trees.draft_tree(shape, dist)
+            tree = draft_tree(shape, dist)
             b, d, t = np.indices(tree["tokens"].shape)[0], tree["depth"] - 1, tree["tokens"]
             node = lp_cal[b, np.asarray(d), np.asarray(t)]
             score = np.einsum("bij,bj->bi", np.asarray(tree["ancestors"], float), node)
             want = 1 + np.where(tree["valid"], np.exp(score), 0).sum(1)
-            got = trees.expected_tokens(shape, tree, dist, cal)
+            got = expected_tokens(shape, tree, dist, cal)
             np.testing.assert_allclose(got, want, rtol=1e-5)
 
 

@@ -18,6 +18,7 @@ from tests.test_speculative import make_drafter
 MESHES = Path(__file__).resolve().parent.parent / "configs" / "meshes"
 NAMES = ["tp8", "ep8", "ep4-tp2", "dp2-ep4", "dp2-ep4-dpattn"]
 VOCAB = 16
+NEW = 12  # tokens per prompt: several DFlash / DDTree steps of block 5 / budget 8
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +34,12 @@ def reference(ckpt):
     target = kdj.load_target(ckpt, dtype="float32")
     drafter = make_drafter(target, layers=2, block=5)
     prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14], [3]]
-    ar = kdj.generate(target, prompts, method="ar", max_new_tokens=24, stop_tokens=[])
-    sp = kdj.generate(target, prompts, drafter=drafter, method="dflash", max_new_tokens=24,
+    ar = kdj.generate(target, prompts, method="ar", max_new_tokens=NEW, stop_tokens=[])
+    sp = kdj.generate(target, prompts, drafter=drafter, method="dflash", max_new_tokens=NEW,
                       stop_tokens=[])  # fmt: skip
     assert sp.tokens == ar.tokens
     tree = kdj.generate(target, prompts, drafter=drafter, method="ddtree", tree_budget=8,
-                        max_new_tokens=24, stop_tokens=[])  # fmt: skip
+                        max_new_tokens=NEW, stop_tokens=[])  # fmt: skip
     assert tree.tokens == ar.tokens
     ids = np.arange(30).reshape(2, 15) % VOCAB
     return dict(target=target, drafter=drafter, prompts=prompts, tokens=ar.tokens,
@@ -52,11 +53,11 @@ def test_same_tokens_on_every_mesh(name, ckpt, reference):
     logits = kdj.forward(target, reference["ids"])
     np.testing.assert_allclose(logits, reference["logits"], atol=1e-4, rtol=1e-4)
     prompts = reference["prompts"]
-    ar = kdj.generate(target, prompts, method="ar", max_new_tokens=24, stop_tokens=[])
+    ar = kdj.generate(target, prompts, method="ar", max_new_tokens=NEW, stop_tokens=[])
     assert ar.tokens == reference["tokens"]
     drafter = kdj.Drafter(*[getattr(reference["drafter"], f) for f in ("cfg", "graphdef", "state")])
     for spec in ({"method": "dflash"}, {"method": "ddtree", "tree_budget": 8}):
-        sp = kdj.generate(target, prompts, drafter=drafter, max_new_tokens=24, stop_tokens=[],
+        sp = kdj.generate(target, prompts, drafter=drafter, max_new_tokens=NEW, stop_tokens=[],
                           **spec)  # fmt: skip
         assert sp.tokens == reference["tokens"], spec
 
@@ -96,5 +97,7 @@ def test_axes_that_do_not_divide_fail_before_loading(tmp_path):
 
 def test_single_device_mesh_matches_no_mesh(ckpt, reference):
     target = kdj.load_target(ckpt, dtype="float32", mesh=make_mesh(MeshConfig(), jax.devices()[:1]))
-    out = kdj.generate(target, reference["prompts"], method="ar", max_new_tokens=24, stop_tokens=[])
+    out = kdj.generate(
+        target, reference["prompts"], method="ar", max_new_tokens=NEW, stop_tokens=[]
+    )
     assert out.tokens == reference["tokens"]
