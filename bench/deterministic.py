@@ -43,12 +43,14 @@ def run(target, drafter, prompts, name, new, **kw):
                         "compile_s": s["compile_s"]}  # fmt: skip
 
 
-def batch_row(target, drafter, prompts, B, methods, new, cache, timed, log):
-    """Greedy identity and cost at batch B; sampled identity for the speculative methods."""
+def batch_row(target, drafter, prompts, B, methods, new, cache, timed, log, rows, save):
+    """Greedy identity and cost at batch B; sampled identity for the speculative methods.
+    The row joins `rows` at once and `save` runs after every method: a cut run keeps them."""
     batch = [prompts[i % len(prompts)] for i in range(B)]
     kw = dict(cache_size=cache)
     ref, ar = run(target, drafter, batch, "ar", new, deterministic=True, **kw)
     row = {"batch": B, "methods": {"ar": {"det": ar}}}
+    rows.append(row)
     seeds = list(range(1000, 1000 + B))
     sref, _ = run(target, drafter, batch, "ar", new, deterministic=True, temperature=1.0,
                   seed=seeds, **kw)  # fmt: skip
@@ -64,6 +66,7 @@ def batch_row(target, drafter, prompts, B, methods, new, cache, timed, log):
             _, r["default"] = run(target, drafter, batch, name, new, **kw)
             r["cost"] = 1 - r["det"]["tokens_per_s"] / r["default"]["tokens_per_s"]
         log(f"B={B:4d} {name:9s} " + json.dumps({k: v for k, v in r.items()}, default=str))
+        save()
     return row, ref
 
 
@@ -128,7 +131,7 @@ def main(argv=None):
 
     for B in args.batches:
         row, ref = batch_row(target, drafter, prompts, B, args.methods, args.new, cache,
-                             args.timed, print)  # fmt: skip
+                             args.timed, print, result["rows"], save)  # fmt: skip
         if B == 64:
             batch = [prompts[i % len(prompts)] for i in range(B)]
             again, _ = run(target, drafter, batch, "dflash", args.new, deterministic=True,
@@ -140,8 +143,7 @@ def main(argv=None):
                          cache_size=cache)[0][0] for i in range(args.alone)]  # fmt: skip
             row["alone_identical"] = identical(alone, ref[: args.alone])
             print(f"B=64 rerun {row['rerun_identical']} alone {row['alone_identical']}")
-        result["rows"].append(row)
-        save()
+            save()
     if args.moe_batches:
         result["moe"] = moe_rows(args, print)
         save()
