@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from types import MappingProxyType
 
 XLA, PALLAS = "xla", "pallas"
 FAMILIES = ("dense_gemv", "head_gemv", "attention", "latent_attention", "expert_gemv",
@@ -149,7 +150,7 @@ class KernelPolicy:
 
     # Deterministic mode's matmul tiles (layers.fixed_tile_matmul): one configuration for
     # every row count, so a row's sums run in the same order in a decode and a verify.
-    FIXED_TILES = dict(block_m=64, block_k=64, block_f=128, num_warps=4)
+    FIXED_TILES = MappingProxyType(dict(block_m=64, block_k=64, block_f=128, num_warps=4))
 
     def fixed_tiles(self) -> bool:
         """Whether matmuls run with fixed tiles: deterministic, where dense weights take
