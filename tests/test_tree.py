@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -77,6 +78,64 @@ def test_batched_build_matches_single():
             np.testing.assert_array_equal(np.asarray(batched[k][b]), np.asarray(single[k]))
 
 
+# ---------------------------------------------- the pruned beam against all budget x K pairs
+def all_pairs_beams(top_lp, top_tok, budget: int):
+    """The beam build before pruning: each depth takes top_k over all budget x K pairs."""
+    K = top_lp.shape[1]
+    s0 = jnp.concatenate([top_lp[0], jnp.full((budget - K,), -jnp.inf)])
+    t0 = jnp.concatenate([top_tok[0], jnp.zeros((budget - K,), jnp.int32)])
+
+    def extend(prev, x):
+        lp_d, tok_d = x
+        score, flat = jax.lax.top_k((prev[:, None] + lp_d[None, :]).reshape(-1), budget)
+        return score, (score, tok_d[flat % K], flat // K)
+
+    _, (s, t, p) = jax.lax.scan(extend, s0, (top_lp[1:], top_tok[1:]))
+    return (jnp.concatenate([s0[None], s]), jnp.concatenate([t0[None], t]),
+            jnp.concatenate([jnp.full((1, budget), -1), p]))  # fmt: skip
+
+
+def draft_tops(rng, L: int, V: int, budget: int, levels: int):
+    """(top_lp [L, K] descending, top_tok [L, K]) as Draft.top gives them, K = min(budget,
+    V): random log-probs (levels 0), or `levels` quantised values (ties everywhere; 1: every
+    prefix of a depth ties) with some -inf."""
+    if levels:
+        lp = -rng.integers(0, levels, (L, V)).astype(np.float32) / 2
+        lp[rng.random((L, V)) < 0.1] = -np.inf  # tokens the drafter rules out
+    else:
+        lp = np.log(rng.dirichlet(np.full(V, 0.3), size=L)).astype(np.float32)
+    top_lp, top_tok = jax.lax.top_k(jnp.asarray(lp), min(budget, V))
+    return top_lp, top_tok.astype(jnp.int32)
+
+
+def test_beam_pairs_are_the_dominance_bound():
+    from kdj.decode.tree import beam_pairs
+
+    for budget, k in [(1, 1), (2, 2), (7, 3), (16, 16), (64, 64), (64, 5)]:
+        flat = beam_pairs(budget, k)
+        want = [i * k + j for i in range(budget) for j in range(k) if (i + 1) * (j + 1) <= budget]
+        assert flat.tolist() == want  # increasing flat index: top_k breaks ties as before
+    assert len(beam_pairs(64, 64)) == 280  # of 4,096
+
+
+@pytest.mark.parametrize("budget", [1, 2, 7, 16, 64])
+@pytest.mark.parametrize("vocab", ["small", "large"])  # small: K = V < budget (or V = 1)
+def test_pruned_beams_equal_all_pairs(budget, vocab):
+    """Scores, tokens and parents bit-identical to top_k over every pair, ties included."""
+    from kdj.decode.tree import _beams
+
+    V = max(1, budget // 3) if vocab == "small" else budget + 9
+    pruned = jax.jit(_beams, static_argnames="budget")
+    full = jax.jit(all_pairs_beams, static_argnames="budget")
+    rng = np.random.default_rng(budget)
+    for levels in [0, 0, 0, 1, 2, 3, 3, 4, 4]:
+        top_lp, top_tok = draft_tops(rng, 6, V, budget, levels)
+        got = pruned(top_lp, top_tok, budget=budget)
+        want = full(top_lp, top_tok, budget=budget)
+        for name, g, w in zip(("scores", "tokens", "parents"), got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+
+
 # ------------------------------------------------------- verify and compaction on a target
 @pytest.fixture(scope="module", params=["qwen3", "deepseek_v3"])
 def target(request, tmp_path_factory):
@@ -92,8 +151,6 @@ def test_tree_verify_and_compaction_equal_plain_decoding_of_the_path(target):
     """Verify a DDTree over a prompt, take a path that leaves the chain order, compact: the
     cache rows of prompt + root + path, and the logits along the path, must equal those of
     plainly running those tokens causally."""
-    import jax.numpy as jnp
-
     from kdj.cache import init_cache
     from kdj.decode import tree as trees
     from kdj.decode.loop import prefill

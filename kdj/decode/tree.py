@@ -4,7 +4,8 @@ tree, the verify mask, the acceptance walk and the compaction of the accepted pa
 With per-depth log-probabilities lp[d, v] (depth d = 1..L), a prefix t_1..t_d scores
 sum_i lp[i, t_i]. Scores only fall along a path, so the global top-B set is prefix-closed and
 can be found exactly with a per-depth beam: the top-B prefixes of depth d are among the
-top-B of depth d - 1 extended by the top-K tokens of depth d (K = min(B, V)); the answer is
+top-B of depth d - 1 extended by the top-K tokens of depth d (K = min(B, V)), and only the
+~B ln B pairs (beam i, token j) with (i + 1)(j + 1) <= B can be (beam_pairs); the answer is
 the top-B of all L beams together. Ties prefer the shallower node, which keeps closure.
 Static shapes, no host round trip, no heap.
 """
@@ -16,6 +17,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kdj.cache import KVCache, gather_rows
 from kdj.decode.sampling import target_probs
@@ -72,20 +74,31 @@ class Draft(NamedTuple):
         return x[rows, depth - 1, tokens] - lse[rows, depth - 1]
 
 
+def beam_pairs(budget: int, k: int) -> np.ndarray:
+    """Flat indices i * k + j (increasing) of the (beam i, token j) pairs that can extend a
+    beam of `budget`: those with (i + 1) * (j + 1) <= budget, ~budget x ln(budget) of them.
+    Beam and tokens are both sorted, so every (i' <= i, j' <= j) scores >= (i, j) and has a
+    lower flat index: (i + 1) * (j + 1) of them precede (i, j) in top_k's order (value, then
+    lower index first), and a pair with more than `budget` of them is never chosen."""
+    i, j = np.divmod(np.arange(budget * k), k)
+    return np.flatnonzero((i + 1) * (j + 1) <= budget).astype(np.int32)
+
+
 def _beams(top_lp, top_tok, budget: int):
     """The top-K log-probs and tokens of each depth [L, K] (descending) -> per-depth beams:
-    scores [L, B], tokens [L, B], parent beam index [L, B]."""
+    scores [L, B], tokens [L, B], parent beam index [L, B]. Each depth extends the beam by
+    top_k over the beam_pairs only: the same result, ties included, as over all B x K."""
     K = top_lp.shape[1]
     pad = budget - K  # a beam wider than the vocabulary: pad depth 1 with impossible entries
     s0 = jnp.concatenate([top_lp[0], jnp.full((pad,), -jnp.inf)])
     t0 = jnp.concatenate([top_tok[0], jnp.zeros((pad,), jnp.int32)])
+    beam, rank = map(jnp.asarray, np.divmod(beam_pairs(budget, K), K))  # flat-index order
 
     def extend(carry, x):
         (prev,) = carry
         lp_d, tok_d = x
-        cand = (prev[:, None] + lp_d[None, :]).reshape(-1)  # [B * K]
-        score, flat = jax.lax.top_k(cand, budget)
-        return (score,), (score, tok_d[flat % K], flat // K)
+        score, pick = jax.lax.top_k(prev[beam] + lp_d[rank], budget)
+        return (score,), (score, tok_d[rank[pick]], beam[pick])
 
     _, (s, t, p) = jax.lax.scan(extend, (s0,), (top_lp[1:], top_tok[1:]))
     scores = jnp.concatenate([s0[None], s])
@@ -103,7 +116,7 @@ def build_tree(lp, budget: int):
 
 def build_tree_from_top(top_lp, top_tok, budget: int):
     """The top-`budget` prefixes from the K = min(budget, V) most probable tokens of each
-    depth, top_lp / top_tok [L, K] (descending): O(budget x K x L) work, whatever V is.
+    depth, top_lp / top_tok [L, K] (descending): O(budget x log(budget) x L) work, whatever V is.
 
     Returns a dict of [budget] arrays, most probable
     first (ties: shallower first), so a parent precedes its children: tokens, depth (1..L),
