@@ -5,7 +5,9 @@
 
 A case is MODEL:BATCH:WHAT[:KERNELS]. MODEL: a configs/models name or YAML path (random
 weights) or "smollm2-135m-instruct" (real). WHAT: a generate method ("ar", "dflash",
-"ddtree<budget>", "auto"; speculative ones with a random drafter of the published shape),
+"ddtree<budget>", "auto"; speculative ones with a random drafter of the published shape;
+"ddtree<budget>-allpairs": DDTree with the beam extended by top_k over all budget x K pairs,
+the build before kdj's pruning, for an A/B in one call),
 --steps decode steps after a prompt of --context random tokens, kernels counted in the
 decode loop's executable only (device events whose HLO module matches --module); "step",
 one target forward step queued --steps times (what bench/roofline.py times); "moe-T", the
@@ -32,6 +34,7 @@ import traceback
 from collections import defaultdict
 from contextlib import nullcontext
 from pathlib import Path
+from unittest import mock
 
 import harness  # bench/ is the script directory
 import jax
@@ -39,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kdj
+from kdj.decode import tree as trees
 
 CATEGORIES = (  # (category, pattern): first match on the lower-cased kernel name wins
     ("attention", r"attention|attn|flash|fmha|mha"),
@@ -139,10 +143,32 @@ def summarise(events, traced_s: float, steps: int, module: str | None = None) ->
 
 
 # ------------------------------------------------------------------------------ the cases
+def all_pairs_beams(top_lp, top_tok, budget: int):
+    """kdj.decode.tree._beams before pruning: each depth takes top_k over all budget x K
+    (beam, token) pairs (the same result; the "-allpairs" cases time it)."""
+    K = top_lp.shape[1]
+    s0 = jnp.concatenate([top_lp[0], jnp.full((budget - K,), -jnp.inf)])
+    t0 = jnp.concatenate([top_tok[0], jnp.zeros((budget - K,), jnp.int32)])
+
+    def extend(prev, x):
+        lp_d, tok_d = x
+        score, flat = jax.lax.top_k((prev[:, None] + lp_d[None, :]).reshape(-1), budget)
+        return score, (score, tok_d[flat % K], flat // K)
+
+    _, (s, t, p) = jax.lax.scan(extend, s0, (top_lp[1:], top_tok[1:]))
+    scores = jnp.concatenate([s0[None], s])
+    tokens = jnp.concatenate([t0[None], t]).astype(jnp.int32)
+    parents = jnp.concatenate([jnp.full((1, budget), -1), p]).astype(jnp.int32)
+    return scores, tokens, parents
+
+
 def generate_case(tgt, name: str, B: int, method: str, args):
     """(run, steps of a run, module) of kdj.generate: `args.steps` decode steps after a
     prompt of `args.context` random tokens; run() returns the decode seconds."""
-    kw = {"method": method}
+    kw, beams = {"method": method}, nullcontext()
+    if method.endswith("-allpairs"):  # the build before pruning in place of kdj's
+        method = method.removesuffix("-allpairs")
+        beams = mock.patch.object(trees, "_beams", all_pairs_beams)
     if method != "ar":
         kw["drafter"] = harness.random_drafter(harness.drafter_config(tgt.cfg, name), args.dtype)
         if method.startswith("ddtree"):
@@ -151,10 +177,13 @@ def generate_case(tgt, name: str, B: int, method: str, args):
     box = {}
 
     def run():
-        out = kdj.generate(tgt, prompts, max_new_tokens=args.steps + 1, stop_tokens=[], **kw)
+        with beams:
+            out = kdj.generate(tgt, prompts, max_new_tokens=args.steps + 1, stop_tokens=[], **kw)
         box["steps"] = out.stats["steps"]
         return out.stats["decode_s"]
 
+    tgt.executables.clear()  # the decode loop traces and compiles again, with this case's
+    jax.clear_caches()  # tree build (both: the programs and JAX's trace cache)
     return run, box, args.module
 
 
@@ -197,7 +226,7 @@ def moe_case(name: str, B: int, T: int, args):
     return run, {"steps": args.steps}, None
 
 
-GENERATE = re.compile(r"ar|dflash|ddtree\d+|auto")
+GENERATE = re.compile(r"ar|dflash|ddtree\d+(-allpairs)?|auto")
 
 
 def profile_case(spec: str, args, targets: dict, trace_root: Path) -> dict:

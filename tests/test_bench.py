@@ -321,6 +321,27 @@ def test_profile_step_cpu(tmp_path, tiny):
     assert by[f"{cfg}:2:ar:default"]["kernels_per_step"] == ar["kernels_per_step"]
 
 
+def test_profile_step_allpairs_case_traces_the_build_before_pruning(tmp_path, tiny, monkeypatch):
+    """A "ddtree<budget>-allpairs" case traces the decode loop with the bench's unpruned beam
+    build; a plain "ddtree<budget>" case after it traces kdj's own again."""
+    bench = load_bench("profile_step")
+    calls, unpruned = [], bench.all_pairs_beams
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return unpruned(*args, **kw)
+
+    monkeypatch.setattr(bench, "all_pairs_beams", counted)
+    cfg = tiny["llama"]
+    for case, traced in [("ddtree4-allpairs", True), ("ddtree4", False)]:
+        before = len(calls)
+        out = bench.main(["--cases", f"{cfg}:2:{case}", "--context", "8", "--steps", "2",
+                          "--dtype", "float32", "--trace-dir", str(tmp_path / case)])  # fmt: skip
+        assert "error" not in out["cases"][0], out["cases"][0].get("error")
+        assert out["cases"][0]["method"] == case
+        assert (len(calls) > before) == traced, case
+
+
 def test_profile_step_moe_layer_and_bad_cases(tmp_path, tiny):
     """A tiny DeepSeek-V3 shape: the MoE layer alone (moe-T) traces and summarises; a case
     with an unknown method or kernel case is a row saying so, and the run goes on."""

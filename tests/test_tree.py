@@ -95,6 +95,20 @@ def all_pairs_beams(top_lp, top_tok, budget: int):
             jnp.concatenate([jnp.full((1, budget), -1), p]))  # fmt: skip
 
 
+def all_pairs_build(top_lp, top_tok, budget: int):
+    """build_tree_from_top before pruning (less ancestors): the all-pairs beams, then the
+    global order by a full lexsort (score descending, shallower first, then beam index)."""
+    scores, tokens, parents = all_pairs_beams(top_lp, top_tok, budget)
+    L = scores.shape[0]
+    depth = jnp.broadcast_to(jnp.arange(1, L + 1)[:, None], scores.shape).reshape(-1)
+    order = jnp.lexsort((depth, -scores.reshape(-1)))[:budget]
+    d_idx, b_idx = order // budget, order % budget
+    where = jnp.full((L, budget), -1, jnp.int32).at[d_idx, b_idx].set(jnp.arange(budget))
+    parent = jnp.where(d_idx > 0, where[jnp.maximum(d_idx - 1, 0), parents[d_idx, b_idx]], -1)
+    return {"tokens": tokens[d_idx, b_idx], "depth": d_idx + 1, "parent": parent,
+            "score": scores[d_idx, b_idx], "valid": jnp.isfinite(scores[d_idx, b_idx])}  # fmt: skip
+
+
 def draft_tops(rng, L: int, V: int, budget: int, levels: int):
     """(top_lp [L, K] descending, top_tok [L, K]) as Draft.top gives them, K = min(budget,
     V): random log-probs (levels 0), or `levels` quantised values (ties everywhere; 1: every
@@ -120,20 +134,25 @@ def test_beam_pairs_are_the_dominance_bound():
 
 @pytest.mark.parametrize("budget", [1, 2, 7, 16, 64])
 @pytest.mark.parametrize("vocab", ["small", "large"])  # small: K = V < budget (or V = 1)
-def test_pruned_beams_equal_all_pairs(budget, vocab):
-    """Scores, tokens and parents bit-identical to top_k over every pair, ties included."""
-    from kdj.decode.tree import _beams
+def test_pruned_build_equals_all_pairs(budget, vocab):
+    """Beam scores, tokens and parents, and the tree built from them, bit-identical to top_k
+    over every pair and a full sort of every beam entry, ties included."""
+    from kdj.decode.tree import _beams, build_tree_from_top
 
     V = max(1, budget // 3) if vocab == "small" else budget + 9
-    pruned = jax.jit(_beams, static_argnames="budget")
-    full = jax.jit(all_pairs_beams, static_argnames="budget")
+    beams = jax.jit(_beams, static_argnames="budget")
+    build = jax.jit(build_tree_from_top, static_argnames="budget")
+    ref_beams = jax.jit(all_pairs_beams, static_argnames="budget")
+    ref_build = jax.jit(all_pairs_build, static_argnames="budget")
     rng = np.random.default_rng(budget)
     for levels in [0, 0, 0, 1, 2, 3, 3, 4, 4]:
         top_lp, top_tok = draft_tops(rng, 6, V, budget, levels)
-        got = pruned(top_lp, top_tok, budget=budget)
-        want = full(top_lp, top_tok, budget=budget)
+        got, want = beams(top_lp, top_tok, budget=budget), ref_beams(top_lp, top_tok, budget=budget)
         for name, g, w in zip(("scores", "tokens", "parents"), got, want):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+        tree, ref = build(top_lp, top_tok, budget=budget), ref_build(top_lp, top_tok, budget=budget)
+        for name, w in ref.items():
+            np.testing.assert_array_equal(np.asarray(tree[name]), np.asarray(w), err_msg=name)
 
 
 # ------------------------------------------------------- verify and compaction on a target

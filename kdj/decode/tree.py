@@ -127,10 +127,9 @@ def build_tree_from_top(top_lp, top_tok, budget: int):
     """
     L = top_lp.shape[0]
     scores, tokens, parents = _beams(top_lp.astype(jnp.float32), top_tok, budget)
-    depth = jnp.broadcast_to(jnp.arange(1, L + 1)[:, None], scores.shape)
-    flat_s, flat_d = scores.reshape(-1), depth.reshape(-1)
-    # global top-B: highest score first, shallower first on ties (keeps the set prefix-closed)
-    order = jnp.lexsort((flat_d, -flat_s))[:budget]
+    # global top-B: highest score first, shallower first on ties (keeps the set prefix-closed):
+    # top_k takes the lower index first, and the flat index runs depth-major
+    order = jax.lax.top_k(scores.reshape(-1), budget)[1]
     # Emitted in that same order, so the first b nodes are the top-b tree for every b <= budget
     # (what the adaptive controller slices) and a parent, never less probable than its child
     # and shallower on ties, always precedes it.
