@@ -323,23 +323,29 @@ def test_profile_step_cpu(tmp_path, tiny):
 
 def test_profile_step_allpairs_case_traces_the_build_before_pruning(tmp_path, tiny, monkeypatch):
     """A "ddtree<budget>-allpairs" case traces the decode loop with the bench's unpruned beam
-    build; a plain "ddtree<budget>" case after it traces kdj's own again."""
+    build, a plain "ddtree<budget>" case with kdj's own, in any order in one call."""
+    from kdj.decode import tree as trees
+
     bench = load_bench("profile_step")
-    calls, unpruned = [], bench.all_pairs_beams
+    traced = {"kdj": 0, "allpairs": 0}
 
-    def counted(*args, **kw):
-        calls.append(1)
-        return unpruned(*args, **kw)
+    def counted(name, build):
+        def beams(*args, **kw):
+            traced[name] += 1
+            return build(*args, **kw)
 
-    monkeypatch.setattr(bench, "all_pairs_beams", counted)
+        return beams
+
+    monkeypatch.setattr(trees, "_beams", counted("kdj", trees._beams))
+    monkeypatch.setattr(bench, "all_pairs_beams", counted("allpairs", bench.all_pairs_beams))
     cfg = tiny["llama"]
-    for case, traced in [("ddtree4-allpairs", True), ("ddtree4", False)]:
-        before = len(calls)
+    for case, by in [("ddtree4", "kdj"), ("ddtree4-allpairs", "allpairs"), ("ddtree4", "kdj")]:
+        before = dict(traced)
         out = bench.main(["--cases", f"{cfg}:2:{case}", "--context", "8", "--steps", "2",
                           "--dtype", "float32", "--trace-dir", str(tmp_path / case)])  # fmt: skip
         assert "error" not in out["cases"][0], out["cases"][0].get("error")
         assert out["cases"][0]["method"] == case
-        assert (len(calls) > before) == traced, case
+        assert {k for k in traced if traced[k] > before[k]} == {by}, case
 
 
 def test_profile_step_moe_layer_and_bad_cases(tmp_path, tiny):
