@@ -116,7 +116,8 @@ def build_tree(lp, budget: int):
 
 def build_tree_from_top(top_lp, top_tok, budget: int):
     """The top-`budget` prefixes from the K = min(budget, V) most probable tokens of each
-    depth, top_lp / top_tok [L, K] (descending): O(budget x log(budget) x L) work, whatever V is.
+    depth, top_lp / top_tok [L, K] (descending): ~budget x ln(budget) candidates a depth,
+    whatever V is.
 
     Returns a dict of [budget] arrays, most probable
     first (ties: shallower first), so a parent precedes its children: tokens, depth (1..L),
