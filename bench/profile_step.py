@@ -6,8 +6,9 @@
 A case is MODEL:BATCH:WHAT[:KERNELS]. MODEL: a configs/models name or YAML path (random
 weights) or "smollm2-135m-instruct" (real). WHAT: a generate method ("ar", "dflash",
 "ddtree<budget>", "auto"; speculative ones with a random drafter of the published shape;
-"ddtree<budget>-allpairs": DDTree with the beam extended by top_k over all budget x K pairs,
-the build before kdj's pruning, for an A/B in one call),
+"ddtree<budget>-allpairs", "-chunkedtop" or both: DDTree with a part of the tree build
+swapped for the bench's, for an A/B in one call: the beam extended by top_k over all
+budget x K pairs, the build before kdj's pruning; the vocabulary's top-K in two rounds),
 --steps decode steps after a prompt of --context random tokens, kernels counted in the
 decode loop's executable only (device events whose HLO module matches --module); "step",
 one target forward step queued --steps times (what bench/roofline.py times); "moe-T", the
@@ -32,7 +33,7 @@ import tempfile
 import time
 import traceback
 from collections import defaultdict
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from unittest import mock
 
@@ -162,13 +163,35 @@ def all_pairs_beams(top_lp, top_tok, budget: int):
     return scores, tokens, parents
 
 
+def chunked_top(draft, k: int, chunk: int = 1024):
+    """kdj.decode.tree.Draft.top by two rounds of top_k: the top k of each `chunk` tokens,
+    then of those, laid chunk by chunk so that ties still go to the lower token (the same
+    result; the "-chunkedtop" cases time it)."""
+    x = draft.logits
+    V = x.shape[-1]
+    k, n = min(k, V), -(-V // chunk)
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n * chunk - V)], constant_values=-jnp.inf)
+    first, at = jax.lax.top_k(x.reshape(*x.shape[:-1], n, chunk), min(k, chunk))
+    at = at + chunk * jnp.arange(n)[:, None]  # token ids
+    values, pick = jax.lax.top_k(first.reshape(*first.shape[:-2], -1), k)
+    tokens = jnp.take_along_axis(at.reshape(*at.shape[:-2], -1), pick, axis=-1)
+    return values - draft.lse[..., None], tokens
+
+
+def tree_patch(variant: str):
+    """The part of kdj's tree build a "ddtree<budget>-<variant>" case swaps for the bench's."""
+    if variant == "allpairs":  # the beam build before pruning
+        return mock.patch.object(trees, "_beams", all_pairs_beams)
+    if variant == "chunkedtop":  # the vocabulary's top-K in two rounds
+        return mock.patch.object(trees.Draft, "top", chunked_top)
+    raise ValueError(f"unknown tree build variant {variant!r}")
+
+
 def generate_case(tgt, name: str, B: int, method: str, args):
     """(run, steps of a run, module) of kdj.generate: `args.steps` decode steps after a
     prompt of `args.context` random tokens; run() returns the decode seconds."""
-    kw, beams = {"method": method}, nullcontext()
-    if method.endswith("-allpairs"):  # the build before pruning in place of kdj's
-        method = method.removesuffix("-allpairs")
-        beams = mock.patch.object(trees, "_beams", all_pairs_beams)
+    method, *variants = method.split("-")
+    patches, kw = [tree_patch(v) for v in variants], {"method": method}
     if method != "ar":
         kw["drafter"] = harness.random_drafter(harness.drafter_config(tgt.cfg, name), args.dtype)
         if method.startswith("ddtree"):
@@ -177,7 +200,9 @@ def generate_case(tgt, name: str, B: int, method: str, args):
     box = {}
 
     def run():
-        with beams:
+        with ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(patch)
             out = kdj.generate(tgt, prompts, max_new_tokens=args.steps + 1, stop_tokens=[], **kw)
         box["steps"] = out.stats["steps"]
         return out.stats["decode_s"]
@@ -226,7 +251,7 @@ def moe_case(name: str, B: int, T: int, args):
     return run, {"steps": args.steps}, None
 
 
-GENERATE = re.compile(r"ar|dflash|ddtree\d+(-allpairs)?|auto")
+GENERATE = re.compile(r"ar|dflash|ddtree\d+(-allpairs|-chunkedtop)*|auto")
 
 
 def profile_case(spec: str, args, targets: dict, trace_root: Path) -> dict:
