@@ -445,6 +445,42 @@ def test_training_configs_parse_and_continue_fits_the_shipped_drafter():
     assert params["fc"]["kernel"].dtype == jnp.float32
 
 
+def test_greedy_labels_are_the_targets_argmax_after_the_previous_position(target):
+    """labels "target": slot k learns argmax p_target(. | tok[<= a + k - 1]). On data that is
+    the target's own greedy continuation those are the data's tokens, so both losses agree;
+    on other data they differ."""
+    from kdj.models.drafter import build_drafter
+    from kdj.train.forward import target_pass
+
+    cfg = tiny_drafter_cfg(target)
+    drafter = build_drafter(cfg, jnp.float32, seed=3)
+    prompt = np.asarray([[3, 7, 1, 9, 4, 2, 8, 5, 6, 11]], np.int32)
+    out = kdj.generate(target, prompt.tolist(), max_new_tokens=14, temperature=0.0)
+    greedy_data = np.concatenate([prompt, np.asarray(out.tokens, np.int32)], axis=1)
+    mask = np.zeros_like(greedy_data, bool)
+    mask[:, prompt.shape[1] :] = True
+    anchors, ok = jnp.asarray([[10, 12]], jnp.int32), jnp.asarray([[True, True]])
+    loss = nnx.jit(block_loss, static_argnames="gamma")
+
+    def both(tokens):
+        tokens = jnp.asarray(tokens)
+        tp = target_pass(target.graphdef, target.state, tokens, cfg.target_layer_ids, True)
+        cache = init_cache(target.cfg, 1, tokens.shape[1], jnp.float32)
+        logits = target.model(tokens, jnp.zeros((1,), jnp.int32), cache)[0]
+        np.testing.assert_array_equal(tp.greedy, jnp.argmax(logits, -1))
+        labels, _ = block_labels(tokens, jnp.asarray(mask), anchors, ok, BLOCK, tp.greedy)
+        np.testing.assert_array_equal(labels[0, 0], tp.greedy[0, 10:13])  # no shift past a+k-1
+        args = (drafter, target.model, tp.features, tokens, jnp.asarray(mask), anchors, ok)
+        return float(loss(*args, gamma=7.0)[0]), float(loss(*args, gamma=7.0, greedy=tp.greedy)[0])
+
+    by_tokens, by_target = both(greedy_data)
+    assert by_tokens == pytest.approx(by_target, rel=1e-6)
+    other = greedy_data.copy()
+    other[0, 11::2] = (other[0, 11::2] + 5) % (VOCAB - 2)  # not what the target would choose
+    by_tokens, by_target = both(other)
+    assert abs(by_tokens - by_target) > 1e-3
+
+
 def test_block_loss_weights_early_slots(target):
     """Loss = sum(w CE) / sum(w) with w_k = exp(-(k-1)/gamma): check against a direct sum."""
     from kdj.models.drafter import build_drafter
@@ -890,6 +926,8 @@ def test_online_rounds_train_on_fresh_data_and_resume(target, tmp_path, monkeypa
             magpie_max_tokens=10,
             eval_every_rounds=0,
             sharegpt_temperatures=[0.0, 1.0],
+            # the same drafter learning the target's greedy labels, on the same rounds
+            compare={"greedy": dict(dataclasses.asdict(shape), optim={"labels": "target"})},
         ),  # fmt: skip
         optim=OptimConfig(steps=4, batch_size=4, anchors_per_seq=4, max_len=80, lr=1e-3),
     )
@@ -912,6 +950,23 @@ def test_online_rounds_train_on_fresh_data_and_resume(target, tmp_path, monkeypa
     assert spans[0][1] == spans[1][0]  # consecutive, disjoint stream spans
     drafter = kdj.load_drafter(tmp_path / "run" / "drafter", target=target)
     assert drafter.cfg.layers.num_layers == 1
+    assert all("greedy" in r for r in rounds if "stream" in r)  # trained beside main
+    assert set(second["final_eval"]["drafters"]) == {"main", "greedy"}
+    kdj.load_drafter(tmp_path / "run" / "greedy" / "drafter", target=target)
+
+
+def test_compare_entries_take_optim_overrides_and_reject_unknown_keys():
+    from kdj.train.config import CompareEntry, OnlineConfig, TrainConfig
+
+    online = OnlineConfig(compare={"g": {"num_layers": 3, "optim": {"labels": "target"}}})
+    entry = online.compare["g"]
+    assert entry.drafter.num_layers == 3 and entry.optim == {"labels": "target"}
+    # the recorded form (train_config.json) reads back the same
+    assert CompareEntry.of("g", dataclasses.asdict(entry)) == entry
+    with pytest.raises(ValueError, match=r"online.compare.g.optim: unknown keys \['lr_x'\]"):
+        OnlineConfig(compare={"g": {"optim": {"lr_x": 1.0}}})
+    with pytest.raises(ValueError, match="optim.labels must be one of"):
+        TrainConfig.from_dict({"optim": {"labels": "argmax"}})
 
 
 def test_depth_rates_are_conditional_acceptance_per_draft_position():

@@ -84,6 +84,9 @@ class DataConfig:
             )
 
 
+LABELS = ("tokens", "target")
+
+
 @dataclass
 class OptimConfig:
     steps: int = 1000
@@ -98,11 +101,18 @@ class OptimConfig:
     b2: float = 0.95
     grad_clip: float = 1.0
     gamma: float = 7.0  # slot weights exp(-(k-1)/gamma); 7 for b=16, 4 for b=8
+    # what a slot learns: "tokens", the data's next token; "target", the target's greedy
+    # next token after the data's prefix (what a greedy verify accepts; differs on sampled data)
+    labels: str = "tokens"
     compute_dtype: str = "bfloat16"  # params are float32 masters, cast for the forward
     max_minutes: float | None = None  # stop early (then checkpoint + export) after this long
     log_every: int = 20
     ckpt_every: int = 500
     seed: int = 0
+
+    def __post_init__(self):
+        if self.labels not in LABELS:
+            raise ValueError(f"optim.labels must be one of {LABELS}, not {self.labels!r}")
 
 
 @dataclass
@@ -111,6 +121,28 @@ class EvalConfig:
     num_prompts: int = 8
     max_new_tokens: int = 128
     temperature: float = 0.0
+
+
+@dataclass
+class CompareEntry:
+    """A drafter trained beside the campaign's own on the same rounds (online.compare)."""
+
+    drafter: DrafterShape
+    optim: dict = field(default_factory=dict)  # overrides of the optim section
+
+    @staticmethod
+    def of(name: str, entry) -> CompareEntry:
+        """From YAML ({<drafter keys>..., optim: {...}}) or a recorded to_dict() form."""
+        if isinstance(entry, CompareEntry):
+            return entry
+        entry = dict(entry)
+        optim = dict(entry.pop("optim", None) or {})
+        shape = entry.pop("drafter", None) or entry
+        bad = set(optim) - {f.name for f in dataclasses.fields(OptimConfig)}
+        if bad:
+            raise ValueError(f"online.compare.{name}.optim: unknown keys {sorted(bad)}")
+        drafter = shape if isinstance(shape, DrafterShape) else DrafterShape(**shape)
+        return CompareEntry(drafter, optim)
 
 
 @dataclass
@@ -126,8 +158,9 @@ class OnlineConfig:
     eval_every_rounds: int = 4  # held-out tau every this many rounds (0: only at the end)
     stream_start: int = 0  # first ShareGPT stream position of this window
     resume_from: str | None = None  # an earlier window's campaign.json: continue its stream
-    # other drafter shapes (drafter-section dicts) trained side by side on the same rounds,
-    # each in <out_dir>/<name>: an ablation at equal data that shares the generation
+    # other drafters trained side by side on the same rounds, each in <out_dir>/<name>: an
+    # ablation at equal data that shares the generation. Each entry is a drafter-section dict
+    # (its shape and init_from), optionally with `optim:` overrides of the optim section.
     compare: dict[str, dict] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -137,8 +170,7 @@ class OnlineConfig:
             raise ValueError("online.sequences_per_round must be >= 1")
         if not self.sharegpt_temperatures or min(self.sharegpt_temperatures) < 0:
             raise ValueError("online.sharegpt_temperatures must be a non-empty list of >= 0")
-        self.compare = {name: s if isinstance(s, DrafterShape) else DrafterShape(**s)
-                        for name, s in self.compare.items()}  # fmt: skip
+        self.compare = {name: CompareEntry.of(name, e) for name, e in self.compare.items()}
 
 
 @dataclass

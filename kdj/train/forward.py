@@ -11,12 +11,18 @@
     logits = target_lm_head(norm(x))[:, :, 1:]    slot k predicts tok[a_n + k] (no shift)
     loss = sum(w_k CE_k) / sum(w_k) over valid slots,  w_k = exp(-(k - 1) / gamma)
 
+The label of slot k is the data's token tok[a_n + k] (labels "tokens"), or the target's own
+greedy choice there, argmax p_target(. | tok[<= a_n + k - 1]) (labels "target"): what a
+greedy verify accepts. They differ where the data was sampled (T > 0).
+
 This is exactly what inference computes for a block starting at a_n with the context cache
 filled up to a_n (tests/test_train.py checks it against Drafter.add_context + Drafter.__call__),
 with the N blocks of a sequence sharing one context K/V computation.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,12 +33,26 @@ from kdj.models.layers import NEG_INF, apply_rope, rope_frequencies, softmax_sca
 from kdj.models.transformer import full_sequence  # its logits are dead code under jit
 
 
-def target_features(target_graphdef, target_state, tokens, layer_ids) -> jax.Array:
-    """Frozen target pass: tokens [B, S] -> drafter context features [B, S, K*D] (the OUTPUT
-    of each decoder layer in layer_ids, concatenated), gradient stopped."""
-    _, taps = full_sequence(target_graphdef, target_state, tokens, taps=tuple(layer_ids))
+class TargetPass(NamedTuple):
+    """What the frozen target gives the drafter's training step (gradient stopped)."""
+
+    features: jax.Array  # [B, S, K*D]: the OUTPUT of each tapped layer, concatenated
+    greedy: jax.Array | None  # [B, S] int32: its argmax next token after each position
+
+
+def target_pass(target_graphdef, target_state, tokens, layer_ids, greedy: bool) -> TargetPass:
+    """Frozen target pass over tokens [B, S]. Without `greedy` the layers after the last tap
+    and the lm_head are dead code under jit."""
+    logits, taps = full_sequence(target_graphdef, target_state, tokens, taps=tuple(layer_ids))
     B, S, K, D = taps.shape
-    return jax.lax.stop_gradient(taps.reshape(B, S, K * D))
+    feats = jax.lax.stop_gradient(taps.reshape(B, S, K * D))
+    nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32) if greedy else None
+    return TargetPass(feats, nxt)
+
+
+def target_features(target_graphdef, target_state, tokens, layer_ids) -> jax.Array:
+    """Frozen target pass: tokens [B, S] -> drafter context features [B, S, K*D]."""
+    return target_pass(target_graphdef, target_state, tokens, layer_ids, greedy=False).features
 
 
 def block_attention(attn: DrafterAttention, h, positions, anchors, ctx_k, ctx_v, window):
@@ -106,27 +126,40 @@ def slot_weights(block_size: int, gamma: float) -> np.ndarray:
     return np.exp(-(k - 1) / gamma)
 
 
-def block_labels(tokens, loss_mask, anchors, anchor_ok, block_size: int):
-    """Labels and validity of slots 1..b-1, NOT shifted: slot k predicts tokens[a + k].
+def block_labels(tokens, loss_mask, anchors, anchor_ok, block_size: int, greedy=None):
+    """Labels and validity of slots 1..b-1, NOT shifted: slot k predicts tokens[a + k], or
+    with greedy [B, S] (the target's argmax after each position) greedy[a + k - 1].
     Returns (labels [B, N, b-1] int32, valid [B, N, b-1] bool)."""
     idx = anchors[:, :, None] + jnp.arange(1, block_size, dtype=jnp.int32)  # [B, N, b-1]
     B, N, _ = idx.shape
     flat = idx.reshape(B, -1)
-    labels = jnp.take_along_axis(tokens, flat, axis=1).reshape(idx.shape)
+    if greedy is None:
+        labels = jnp.take_along_axis(tokens, flat, axis=1).reshape(idx.shape)
+    else:
+        labels = jnp.take_along_axis(greedy, flat - 1, axis=1).reshape(idx.shape)
     valid = jnp.take_along_axis(loss_mask, flat, axis=1).reshape(idx.shape)
     return labels, valid & anchor_ok[:, :, None]
 
 
 def block_loss(
-    drafter: DFlashDrafter, target_model, feats, tokens, loss_mask, anchors, anchor_ok, gamma: float
+    drafter: DFlashDrafter,
+    target_model,
+    feats,
+    tokens,
+    loss_mask,
+    anchors,
+    anchor_ok,
+    gamma: float,
+    greedy=None,
 ):
-    """Weighted cross-entropy of the drafter's blocks. Returns (loss, metrics) where metrics
-    hold `acc` (slot-1 accuracy) and `tau` (mean accepted drafts + 1 per block under greedy
-    verification against the data: the acceptance length the block would get)."""
+    """Weighted cross-entropy of the drafter's blocks against the data's tokens, or with
+    greedy [B, S] against the target's argmax (block_labels). Returns (loss, metrics) where
+    metrics hold `acc` (slot-1 accuracy) and `tau` (mean accepted drafts + 1 per block under
+    greedy verification against those labels: the acceptance length the block would get)."""
     b = drafter.cfg.block_size
     h = drafter_blocks(drafter, target_model.embed[...], feats, tokens, anchors)
     logits = target_model.logits(h[:, :, 1:].astype(target_model.embed[...].dtype))  # f32
-    labels, valid = block_labels(tokens, loss_mask, anchors, anchor_ok, b)
+    labels, valid = block_labels(tokens, loss_mask, anchors, anchor_ok, b, greedy)
     logz = jax.nn.logsumexp(logits, axis=-1)
     gold = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
     ce = logz - gold  # [B, N, b-1]

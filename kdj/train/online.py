@@ -223,16 +223,17 @@ def run_online(cfg, log=print) -> dict:
 
     empty = np.zeros((1, cfg.optim.max_len), np.int32)
 
-    def make_trainer(shape, folder):
+    def make_trainer(shape, folder, optim):
         return DrafterTrainer(
-            target, drafter_config_for(target.cfg, shape), cfg.optim, empty, empty.astype(bool),
+            target, drafter_config_for(target.cfg, shape), optim, empty, empty.astype(bool),
             folder, init_from=shape.init_from, grow=shape.grow,
         )  # fmt: skip
 
     # "main" is the campaign's drafter; the others train on the same rounds for comparison
-    trainers = {"main": make_trainer(cfg.drafter, out)}
-    for name, shape in online.compare.items():
-        trainers[name] = make_trainer(shape, out / name)
+    trainers = {"main": make_trainer(cfg.drafter, out, cfg.optim)}
+    for name, entry in online.compare.items():
+        optim = dataclasses.replace(cfg.optim, **entry.optim)
+        trainers[name] = make_trainer(entry.drafter, out / name, optim)
     trainer = trainers["main"]
     eval_prompts = chat_prompts(
         target.tokenizer, evals["sharegpt"][: cfg.eval.num_prompts], cfg.data.max_prompt_tokens

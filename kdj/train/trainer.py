@@ -28,7 +28,7 @@ from kdj.handles import Drafter
 from kdj.loading import load_drafter
 from kdj.models.drafter import DrafterConfig, build_drafter, default_target_layer_ids
 from kdj.train.config import DrafterShape, OptimConfig
-from kdj.train.forward import block_loss, sample_anchors, target_features
+from kdj.train.forward import block_loss, sample_anchors, target_pass
 
 
 def drafter_config_for(target_cfg, shape: DrafterShape) -> DrafterConfig:
@@ -143,13 +143,15 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     )
 
 
-def _loss(params, dgraph, tgraph, tstate, batch, compute_dtype, gamma):
+def _loss(params, dgraph, tgraph, tstate, batch, compute_dtype, gamma, labels):
     tokens, loss_mask, anchors, ok = batch
     target = nnx.merge(tgraph, tstate)
     low = jax.tree.map(lambda p: p.astype(compute_dtype), params)  # f32 masters -> compute
     drafter = nnx.merge(dgraph, low)
-    feats = target_features(tgraph, tstate, tokens, drafter.cfg.target_layer_ids)
-    return block_loss(drafter, target, feats, tokens, loss_mask, anchors, ok, gamma)
+    tp = target_pass(tgraph, tstate, tokens, drafter.cfg.target_layer_ids, labels == "target")
+    return block_loss(
+        drafter, target, tp.features, tokens, loss_mask, anchors, ok, gamma, tp.greedy
+    )
 
 
 @functools.partial(
@@ -162,8 +164,9 @@ def _train_step(params, opt_state, tstate, batch, *, optim: tuple, dgraph, tgrap
     tx = make_optimizer(cfg)
     grad_fn = jax.value_and_grad(_loss, has_aux=True)
     (loss, metrics), grads = grad_fn(
-        params, dgraph, tgraph, tstate, batch, jnp.dtype(cfg.compute_dtype), cfg.gamma
-    )
+        params, dgraph, tgraph, tstate, batch, jnp.dtype(cfg.compute_dtype), cfg.gamma,
+        cfg.labels,
+    )  # fmt: skip
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
