@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -149,6 +150,26 @@ def test_pool_auto_token_identical(pair):
     assert out.stats["menu"][0] == "none" and len(out.stats["menu"]) > 1
     with pytest.raises(ValueError, match="needs a draft shape"):
         Engine(target, 2, 64, 8, drafter=drafter, menu=(DraftShape("none"),))
+
+
+def test_pool_admission_resets_the_slots_forecast(pair):
+    """A request admitted into the slot another auto request drafted in starts from the
+    priors, not from that request's forecasts (one slot; the newcomer ends at admission, so
+    no step runs after it)."""
+    target, drafter = pair
+    menu = auto.parse_menu("auto", None, 6, None)
+    engine = Engine(target, max_batch=1, cache_size=64, max_new_cap=23, drafter=drafter,
+                    menu=menu)  # fmt: skip
+    engine.submit(Request([3, 1, 4, 1, 5], 23, []))
+    while engine.busy:
+        engine.step()
+    ctrl = engine.pool.state.auto
+    assert float(ctrl.drafts[0]) > 0 and bool(jnp.any(ctrl.trend[:, 0] != 1.0))
+    engine.submit(Request([9, 2], 1, []))
+    assert [u.finished for u in engine.step()] == [True]
+    ctrl = engine.pool.state.auto  # unknown priors: 1 token per step, no drafts behind it
+    np.testing.assert_array_equal(ctrl.trend[:, 0], 1.0)
+    assert float(ctrl.drafts[0]) == 0.0 and not bool(jnp.any(ctrl.hits[:, 0]))
 
 
 @pytest.mark.usefixtures("switching")
