@@ -20,6 +20,7 @@ from kdj.cache import init_cache
 from kdj.decode import auto, engine, loop, tune
 from kdj.decode.sampling import request_keys
 from kdj.decode.state import Plan, Prefilled
+from kdj.decode.tree import DraftShape
 from kdj.handles import Drafter, Target, check_pair
 from kdj.models.transformer import full_sequence
 from kdj.report import decode_stats, speculative_stats
@@ -90,9 +91,9 @@ def generate(
     stats["tree_budget"] / stats["menu"] say what ran. Bad arguments raise TypeError or
     ValueError before anything compiles (kdj.arguments); an argument the method does not use
     is refused, not ignored. With more prompts than `max_batch`, the prompts stream through a
-    pool of max_batch slots (kdj/decode/engine.py: "ar", "dflash" and "ddtree"; "auto" with a
-    drafter is refused there): each prompt's result is what it gets alone (greedy: the same
-    tokens; stats["request_steps"] and "mean_acceptance" from each prompt's own steps).
+    pool of max_batch slots (kdj/decode/engine.py; auto's menu priced for a full pool):
+    each prompt's result is what it gets alone (greedy: the same tokens; stats
+    ["request_steps"] and "mean_acceptance" from each prompt's own steps).
 
     Sampling draws the token at position p of a sequence with a key from (its seed, p)
     (kdj/decode/sampling.py): `seed` one int (each row draws its own stream from it; with
@@ -111,7 +112,7 @@ def generate(
     batch = pack(target, prompts, tokenizer, max_new_tokens, stop_tokens, cache_size)
     if max_batch is not None and batch.B > arguments.integer(max_batch, "max_batch", 1):
         return stream(opts, target, drafter, batch, max_batch, temperature, top_p, seed,
-                      tokenizer)  # fmt: skip
+                      tokenizer, cost)  # fmt: skip
     seeds, per_prompt = arguments.seeds(seed, batch.B)
     seeds += [0] * (batch.tokens.shape[0] - batch.B)  # the padding rows
     opts = cap_trees(opts, batch)
@@ -195,16 +196,23 @@ def make_plan(opts: Options, target, drafter, batch, greedy: bool, cost):
     if opts.method == "ar":
         return Plan(greedy, max_steps), [0.0], shapes
     context = float(np.mean(batch.lens) + np.mean(batch.max_new) / 2)  # decode's mean
-    if len(shapes) > 1:  # this machine's tuned cost when cached (kdj/decode/tune.py)
-        cost = tune.resolve(cost, target, drafter, shapes, len(batch.lens), context)
-    cost = auto.step_cost(cost, target, drafter) if len(shapes) > 1 else None
-    if opts.method == "auto" and len(shapes) > 1:
-        priors = (drafter.prior_acceptance, drafter.entry_acceptance)
-        shapes = auto.paying_menu(shapes, cost, len(batch.lens), context, *priors)
+    shapes, cost = priced_menu(shapes, target, drafter, len(batch.lens), context, cost)
     if all(s.kind == "none" for s in shapes):
         return Plan(greedy, max_steps), [0.0], shapes
     plan = Plan(greedy, max_steps, opts.block_size, shapes, cost)
     return plan, auto.priors(shapes, drafter), shapes
+
+
+def priced_menu(shapes, target, drafter, batch: int, context: float, cost):
+    """(menu, StepCost) for steps of `batch` rows at `context`: auto's menu (several
+    entries) less what cannot pay there (auto.paying_menu), with this machine's tuned cost
+    when one is cached (kdj/decode/tune.py); one entry (DFlash, DDTree) as it is, no cost."""
+    if len(shapes) <= 1:
+        return shapes, None
+    cost = auto.step_cost(tune.resolve(cost, target, drafter, shapes, batch, context), target,
+                          drafter)  # fmt: skip
+    priors = (drafter.prior_acceptance, drafter.entry_acceptance)
+    return auto.paying_menu(shapes, cost, batch, context, *priors), cost
 
 
 def pack(target, prompts, tokenizer, max_new_tokens, stop_tokens, cache_size) -> Batch:
@@ -283,22 +291,32 @@ def stream_seeds(seed, B: int) -> dict:
     return {"seeds": seeds} if per_prompt else {"seed": seeds[0]}
 
 
-def pool_drafting(opts: Options, drafter) -> dict:
-    """The engine's drafting arguments (kdj/decode/engine.py `Engine`) for checked options."""
+def pool_drafting(opts: Options, target, drafter, max_batch: int, cache_size: int,
+                  context: float, cost=None) -> dict:  # fmt: skip
+    """The engine's drafting arguments (kdj/decode/engine.py `Engine`) for checked options:
+    auto's menu priced for a full pool of max_batch rows at `context` (every step runs all
+    of them; the menu decides the compiled shapes); none when plain decoding is what runs."""
     if opts.method == "ar":
         return {}
-    return {"drafter": drafter, "block_size": opts.block_size, "menu": opts.shapes}
+    shapes = arguments.cap_trees(opts.shapes, arguments.tree_cap(cache_size, [1]))
+    shapes, cost = priced_menu(shapes, target, drafter, max_batch, context, cost)
+    if all(s.kind == "none" for s in shapes):
+        return {}
+    return {"drafter": drafter, "block_size": opts.block_size, "menu": shapes, "cost": cost,
+            "calibration": opts.calibration}  # fmt: skip
 
 
 def stream(opts: Options, target, drafter, batch: Batch, max_batch, temperature, top_p, seed,
-           tokenizer) -> GenerateOutput:  # fmt: skip
+           tokenizer, cost=None) -> GenerateOutput:  # fmt: skip
     """generate with more prompts than max_batch: the prompts stream through the engine."""
     B, t0 = batch.B, time.perf_counter()
+    context = float(np.mean(batch.lens[:B]) + np.mean(batch.max_new[:B]) / 2)  # as make_plan's
+    drafting = pool_drafting(opts, target, drafter, max_batch, batch.capacity, context, cost)
     res = engine.generate_stream(
         target, [batch.tokens[b, : batch.lens[b]].tolist() for b in range(B)], max_batch,
         batch.max_new[:B], [[int(i) for i in row if i >= 0] for row in batch.stop[:B]],
         cache_size=batch.capacity, temperature=temperature, top_p=top_p,
-        **stream_seeds(seed, B), **pool_drafting(opts, drafter),
+        **stream_seeds(seed, B), **drafting,
     )  # fmt: skip
     toks, texts = res.tokens, None
     if tokenizer is not None:
@@ -308,6 +326,8 @@ def stream(opts: Options, target, drafter, batch: Batch, max_batch, temperature,
              "seconds": time.perf_counter() - t0, "request_steps": res.steps,
              # tokens per step of every prompt's steps: the first token came from prefill
              "mean_acceptance": (new - B) / steps if steps else float("nan")}  # fmt: skip
+    if opts.method == "auto":  # what the pool's menu kept
+        stats["menu"] = [str(s) for s in drafting.get("menu", (DraftShape("none"),))]
     return GenerateOutput(tokens=toks, texts=texts, stats=stats)
 
 

@@ -11,12 +11,16 @@ import threading
 import time
 
 import httpx
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import kdj
+from kdj.decode import auto
 from kdj.decode.engine import Engine, Request
+from kdj.decode.tree import DraftShape
 from tests.hf_models import build
+from tests.test_adaptive import switching  # noqa: F401 (a fixture)
 from tests.test_speculative import make_drafter
 
 
@@ -109,12 +113,13 @@ def test_pool_drafts_token_identical(pair, spec):
     assert out.stats["method"] == spec["method"] and out.stats["mean_acceptance"] > 1
 
 
-def test_pool_drafts_sampled_as_alone(pair):
-    """Sampled DFlash with a seed per prompt: each prompt's samples are what it draws alone
-    (per-slot temperatures reach the verify pass's [B, T, V] logits)."""
+@pytest.mark.parametrize("method", ["dflash", "auto"])
+def test_pool_drafts_sampled_as_alone(pair, method):
+    """Sampled DFlash or auto with a seed per prompt: each prompt's samples are what it
+    draws alone (per-slot temperatures reach the verify pass's [B, T, V] logits)."""
     target, drafter = pair
     prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7]]
-    run = dict(drafter=drafter, method="dflash", max_new_tokens=12, stop_tokens=[],
+    run = dict(drafter=drafter, method=method, max_new_tokens=12, stop_tokens=[],
                temperature=0.9, top_p=0.9)  # fmt: skip
     out = kdj.generate(target, prompts, max_batch=2, seed=[11, 12, 13], **run)
     alone = [kdj.generate(target, [p], seed=[s], **run).tokens[0]
@@ -122,10 +127,73 @@ def test_pool_drafts_sampled_as_alone(pair):
     assert out.tokens == alone
 
 
-def test_pool_refuses_auto_with_a_drafter(pair):
+def ragged(n, seed):
+    """n prompts of 2..15 tokens of the 12-token vocabulary and budgets of 7 or 23."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 12, int(k)).tolist() for k in rng.integers(2, 16, n)]
+    return prompts, [int(m) for m in rng.choice([7, 23], n)]
+
+
+def test_pool_auto_token_identical(pair):
+    """auto streamed through a pool of 2 (5 ragged prompts, mixed budgets): each prompt's
+    tokens are what auto gives it alone and what plain greedy gives it; drafts were
+    accepted, and the menu priced for the pool is what ran."""
     target, drafter = pair
-    with pytest.raises(ValueError, match="'auto' does not run on the pool"):
-        kdj.generate(target, [[1, 2], [3], [4]], drafter=drafter, method="auto", max_batch=2)
+    prompts, budgets = ragged(5, 7)
+    run = dict(drafter=drafter, method="auto", stop_tokens=[])
+    out = kdj.generate(target, prompts, max_batch=2, max_new_tokens=budgets, **run)
+    alone = [kdj.generate(target, [p], max_new_tokens=m, **run).tokens[0]
+             for p, m in zip(prompts, budgets)]  # fmt: skip
+    ar = kdj.generate(target, prompts, method="ar", max_new_tokens=budgets, stop_tokens=[])
+    assert out.tokens == alone == ar.tokens
+    assert out.stats["method"] == "auto" and out.stats["mean_acceptance"] > 1
+    assert out.stats["menu"][0] == "none" and len(out.stats["menu"]) > 1
+    with pytest.raises(ValueError, match="needs a draft shape"):
+        Engine(target, 2, 64, 8, drafter=drafter, menu=(DraftShape("none"),))
+
+
+def test_pool_admission_resets_the_slots_forecast(pair):
+    """A request admitted into the slot another auto request drafted in starts from the
+    priors, not from that request's forecasts (one slot; the newcomer ends at admission, so
+    no step runs after it)."""
+    target, drafter = pair
+    menu = auto.parse_menu("auto", None, 6, None)
+    engine = Engine(target, max_batch=1, cache_size=64, max_new_cap=23, drafter=drafter,
+                    menu=menu)  # fmt: skip
+    engine.submit(Request([3, 1, 4, 1, 5], 23, []))
+    while engine.busy:
+        engine.step()
+    ctrl = engine.pool.state.auto
+    assert float(ctrl.drafts[0]) > 0 and bool(jnp.any(ctrl.trend[:, 0] != 1.0))
+    engine.submit(Request([9, 2], 1, []))
+    assert [u.finished for u in engine.step()] == [True]
+    ctrl = engine.pool.state.auto  # unknown priors: 1 token per step, no drafts behind it
+    np.testing.assert_array_equal(ctrl.trend[:, 0], 1.0)
+    assert float(ctrl.drafts[0]) == 0.0 and not bool(jnp.any(ctrl.hits[:, 0]))
+
+
+@pytest.mark.usefixtures("switching")
+def test_pool_auto_lossless_while_switching(tmp_path):
+    """The controller's choices scrambled (every menu entry; plain runs of up to 4 steps that
+    skip the drafter) and chunks of 3 steps: runs are cut by chunk ends, finishes and
+    admissions, and the greedy tokens still equal plain decoding's, while the pool both
+    skipped the drafter and drafted."""
+    build("qwen3", tmp_path, vocab_size=12, num_hidden_layers=3)
+    target = kdj.load_target(tmp_path, dtype="float32")
+    drafter = make_drafter(target, ids=(0, 1))
+    prompts, budgets = ragged(6, 8)
+    ar = kdj.generate(target, prompts, method="ar", max_new_tokens=budgets, stop_tokens=[])
+    menu = auto.parse_menu("auto", ["none", "chain2", "chain", "tree3", "tree12"], 6, None)
+    engine = Engine(target, max_batch=2, cache_size=64, max_new_cap=40, drafter=drafter,
+                    menu=menu, chunk_steps=3)  # fmt: skip
+    ids = [engine.submit(Request(p, m, [])) for p, m in zip(prompts, budgets)]
+    got = {i: [] for i in ids}
+    while engine.busy:
+        for u in engine.step():
+            got[u.id] += u.tokens
+    assert [got[i] for i in ids] == ar.tokens and engine.method == "auto"
+    choices = np.asarray(engine.pool.state.stats.choices)  # the pool's first 40 steps
+    assert (choices == len(menu)).any() and ((choices >= 0) & (choices < len(menu))).any()
 
 
 # ---------------------------------------------------------------------------- the server
@@ -235,15 +303,16 @@ def test_server_greedy_equals_generate(chat_target, server):
     assert usage["kdj"]["steps"] == usage["completion_tokens"] - 1
 
 
-def test_server_drafts_greedy_equal_to_generate(chat_target):
-    """A DFlash server (2 slots, 8 requests at once): the texts plain decoding gives
+@pytest.mark.parametrize("method", ["dflash", "auto"])
+def test_server_drafts_greedy_equal_to_generate(chat_target, method):
+    """A DFlash or auto server (2 slots, 8 requests at once): the texts plain decoding gives
     (speculative greedy is lossless), usage with the speculative steps."""
     from kdj.serve.app import make_app
 
     prompts, budgets = prompts_and_budgets(chat_target, 8, seed=2)
     ref = kdj.generate(chat_target, prompts, method="ar", max_new_tokens=budgets, max_batch=4)
     app = make_app(chat_target, "tiny", drafter=make_drafter(chat_target, 1, ids=(0, 1)),
-                   method="dflash",
+                   method=method,
                    block_size=4, max_batch=2, context=64, max_tokens=8, chunk_steps=4)  # fmt: skip
     bodies = [{"prompt": p, "max_tokens": m} for p, m in zip(prompts, budgets)]
     with run_server(app) as url:
@@ -254,7 +323,7 @@ def test_server_drafts_greedy_equal_to_generate(chat_target):
     for r, t in zip(replies, ref.tokens):
         usage = r.json()["usage"]
         stats, n = usage["kdj"], usage["completion_tokens"]
-        assert n == len(t) and stats["method"] == "dflash" and 0 <= stats["steps"] <= n - 1
+        assert n == len(t) and stats["method"] == method and 0 <= stats["steps"] <= n - 1
         if n > 1:  # the first token comes from prefill, each step commits one or more
             assert stats["mean_acceptance"] == pytest.approx((n - 1) / stats["steps"])
 

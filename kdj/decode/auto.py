@@ -199,8 +199,14 @@ def drafting_pays(shapes, gains, active, cost, context, slack=0.0):
 
 def corrected(gains, hits):
     """gains [S, B] with the forecast drafts scaled by hits = [realised, forecast] drafts
-    summed over this run's drafted steps (each started at HITS_PRIOR)."""
+    summed over this run's drafted steps (each started at HITS_PRIOR: `pooled`)."""
     return 1.0 + (gains - 1.0) * (hits[0] / hits[1])
+
+
+def pooled(ctrl) -> jax.Array:
+    """The bias correction's [realised, forecast] drafts [2]: every slot's full walks, over
+    HITS_PRIOR of each (the drafter's bias is judged on all the prompts at hand)."""
+    return HITS_PRIOR + jnp.sum(ctrl.hits, axis=1)
 
 
 def probe_wait(shapes, cost, batch: int, context, wait):
@@ -214,24 +220,35 @@ def probe_wait(shapes, cost, batch: int, context, wait):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Controller:
-    """The controller's part of the decode state."""
+    """The controller's part of the decode state: what it has seen per slot (reset when the
+    pool admits a request into one), and the draft-or-skip state of the whole batch (every
+    row runs the same step)."""
 
-    trend: jax.Array  # [S, B] running mean of the drafted steps' corrected forecasts
-    drafts: jax.Array  # [] float32 drafted steps behind trend (the prior counts HITS_PRIOR)
-    hits: jax.Array  # [2] float32 realised, forecast drafts of full walks (bias correction)
+    trend: jax.Array  # [S, B] running mean of each slot's drafted steps' corrected forecasts
+    drafts: jax.Array  # [B] float32 drafted steps behind trend (the prior counts HITS_PRIOR)
+    hits: jax.Array  # [2, B] float32 realised, forecast drafts of each slot's full walks
     wait: jax.Array  # [] int32 plain steps between probes
     since: jax.Array  # [] int32 plain steps since the last draft
     left: jax.Array  # [] int32 plain steps left in the current run
     drafting: jax.Array  # [] bool the draft-or-skip state (HYSTERESIS)
 
 
+def _fresh_rows(plan, prior, B: int):
+    """(trend [S, B], drafts [B], known []) before any draft: each entry expected to commit
+    its `prior` tokens per step (1 when unknown)."""
+    S = len(plan.menu)
+    prior = jnp.broadcast_to(jnp.asarray(prior, jnp.float32), (S,))
+    known = jnp.all(prior > 0)
+    trend = jnp.broadcast_to(jnp.where(known, prior, 1.0)[:, None], (S, B))
+    drafts = jnp.full((B,), jnp.where(known, HITS_PRIOR, 0.0), jnp.float32)
+    return trend, drafts, known
+
+
 def init_controller(plan, prior, lengths, active) -> Controller:
     """Before any draft each entry is expected to commit its `prior` tokens per step (1 when
     unknown, and then the first step drafts to find out)."""
-    S, B = len(plan.menu), lengths.shape[0]
-    prior = jnp.broadcast_to(jnp.asarray(prior, jnp.float32), (S,))
-    known = jnp.all(prior > 0)
-    gains = jnp.broadcast_to(jnp.where(known, prior, 1.0)[:, None], (S, B))
+    B = lengths.shape[0]
+    gains, drafts, known = _fresh_rows(plan, prior, B)
     wait, doubt = jnp.int32(0), jnp.bool_(False)
     if plan.can_skip:
         context = mean_context(lengths, active)
@@ -239,13 +256,38 @@ def init_controller(plan, prior, lengths, active) -> Controller:
         wait = jnp.where(doubt, probe_wait(plan.menu, plan.cost, B, context, 0), 0)
     return Controller(
         trend=gains,
-        drafts=jnp.where(known, HITS_PRIOR, 0.0).astype(jnp.float32),
-        hits=jnp.full((2,), HITS_PRIOR, jnp.float32),
+        drafts=drafts,
+        hits=jnp.zeros((2, B), jnp.float32),
         wait=jnp.asarray(wait, jnp.int32),
         since=jnp.int32(0),
         left=jnp.int32(0),
         drafting=~doubt,
     )
+
+
+def admit(ctrl: Controller, plan, prior, rows, lengths, active) -> Controller:
+    """Slots `rows` [B] bool took new requests: their forecasts restart from the prior (a
+    newcomer inherits nothing of the request that held its slot). A batch that skips the
+    drafter starts drafting now when the live slots' forecasts say it pays (or a newcomer's
+    prior is unknown: its first step drafts to find out); else its plain run goes on to the
+    probe already due. An idle pool's newcomers start as a run of their own would."""
+    gains, drafts, known = _fresh_rows(plan, prior, rows.shape[0])
+    ctrl = dataclasses.replace(
+        ctrl, trend=jnp.where(rows[None], gains, ctrl.trend),
+        drafts=jnp.where(rows, drafts, ctrl.drafts), hits=jnp.where(rows[None], 0.0, ctrl.hits),
+    )  # fmt: skip
+    if not plan.can_skip:
+        return ctrl
+    context = mean_context(lengths, active)
+    pays = drafting_pays(plan.menu, ctrl.trend, active, plan.cost, context)
+    enter = ~ctrl.drafting & jnp.any(rows & active) & (pays | ~known)
+    idle = ~jnp.any(active & ~rows)
+    start = init_controller(plan, prior, lengths, active)
+    return dataclasses.replace(
+        ctrl, drafting=jnp.where(idle, start.drafting, ctrl.drafting | enter),
+        wait=jnp.where(idle, start.wait, jnp.where(enter, PROBE_MIN, ctrl.wait)),
+        since=jnp.where(idle, 0, ctrl.since),
+    )  # fmt: skip
 
 
 def observe(ctrl: Controller, plan, raw, gains, choice, a, active, limit, lengths, capacity):
@@ -254,11 +296,11 @@ def observe(ctrl: Controller, plan, raw, gains, choice, a, active, limit, length
     step. Rows whose walk a limit or the cache end could cut short do not count."""
     most = max(0 if s.kind == "none" else s.size for s in plan.menu)
     full_walk = active & (limit >= plan.block_size - 1) & (lengths + 1 + most <= capacity)
-    seen = [jnp.sum(jnp.where(full_walk, a, 0)), jnp.sum(jnp.where(full_walk, raw[choice] - 1, 0))]
+    seen = jnp.stack([jnp.where(full_walk, a, 0), jnp.where(full_walk, raw[choice] - 1, 0)])
     w = jnp.maximum(TREND_WEIGHT, 1.0 / (ctrl.drafts + 1))
     trend = jnp.where(active[None], (1 - w) * ctrl.trend + w * gains, ctrl.trend)
-    hits = ctrl.hits + jnp.stack(seen).astype(jnp.float32)
-    return dataclasses.replace(ctrl, trend=trend, drafts=ctrl.drafts + 1, hits=hits)
+    hits = ctrl.hits + seen.astype(jnp.float32)
+    return dataclasses.replace(ctrl, trend=trend, drafts=ctrl.drafts + active, hits=hits)
 
 
 def decide(ctrl: Controller, plan, active, context) -> Controller:

@@ -4,18 +4,19 @@
     admit waiting requests into free  ->  prefill only those rows (bucketed: A newcomers
     slots                                 rounded up to a power of two, prompts to 16 tokens),
                                           their target and drafter K/V and state written in
-    re-enter                          ->  ONE while_loop of the decode loop's own step over the
-                                          whole pool (plain_step; with a drafter, DFlash's or
-                                          DDTree's drafted_step), until a slot finishes or
-                                          `chunk_steps` steps ran
+    re-enter                          ->  ONE while_loop of the decode loop's own body over
+                                          the whole pool (plain_step; with a drafter, DFlash's
+                                          or DDTree's drafted_step, or auto's runs of both),
+                                          until a slot finishes or `chunk_steps` steps ran
     retire finished slots, hand out   <-  out / n / done / steps (never the caches)
     the new tokens
 
 Finished and free slots ride along without advancing (`done`), as in kdj/decode/loop.py.
 A newcomer's prefill stalls the running slots for one prefill call of at most B rows of
 the longest waiting prompt; a slot finishing wakes the host, so a free slot waits at most one
-chunk. AR, DFlash and DDTree run on the pool; method="auto" does not yet (its controller
-prices one static batch, and its runs of plain steps are not one step per loop turn).
+chunk. AR, DFlash, DDTree and auto run on the pool; auto's menu is fixed when the engine is
+built (it decides the compiled shapes), its forecasts are per slot (reset on admission), and
+its draft-or-skip decision is the batch's, re-made at each admission and drafted step.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdj import arguments
-from kdj.decode import pool
+from kdj.decode import auto, pool
 from kdj.decode.pool import STOP_WIDTH
 from kdj.decode.state import Plan
 from kdj.decode.tree import DraftShape
@@ -71,9 +72,12 @@ class Update(NamedTuple):
 
 class Engine:
     """A pool of `max_batch` slots of `cache_size` tokens each; each request emits at most
-    `max_new_cap` tokens. With a `drafter`, every step drafts `block_size` tokens (default:
-    the drafter's) and verifies the one draft shape of `menu` (DFlash's chain or DDTree's
-    tree: kdj.api's `pool_drafting` builds these from a method); without one, plain decoding.
+    `max_new_cap` tokens. With a `drafter`, steps draft `block_size` tokens (default: the
+    drafter's) and verify a draft shape of `menu`: one for DFlash's chain or DDTree's tree,
+    several for method="auto", whose controller picks per step with `cost` (a StepCost, its
+    JSON path, or None: the estimate from the target's shapes) and the drafter's forecasts
+    at temperature `calibration` (kdj.api's `pool_drafting` builds these from a method and
+    prices auto's menu for the pool); without a drafter, plain decoding.
     The running slots share a `Mode`: greedy (exact argmax) or sampled at one top_p, each slot
     at its own temperature; the pool switches mode when it drains. A request's token at
     position p is sampled with a key from (its seed, p), so its samples do not depend on its
@@ -82,27 +86,33 @@ class Engine:
 
     def __init__(self, target: Target, max_batch: int, cache_size: int, max_new_cap: int,
                  *, drafter: Drafter | None = None, block_size: int | None = None,
-                 menu: tuple[DraftShape, ...] = (), chunk_steps: int = 32,
-                 seed: int = 0):  # fmt: skip
+                 menu: tuple[DraftShape, ...] = (), cost=None, calibration: float = 1.0,
+                 chunk_steps: int = 32, seed: int = 0):  # fmt: skip
         if max_batch < 1 or cache_size < 2 or max_new_cap < 1 or chunk_steps < 1:
             raise ValueError("max_batch, max_new_cap, chunk_steps >= 1 and cache_size >= 2")
         if target.sharding is not None:
             raise ValueError("the serving engine runs on one device (target has a mesh)")
         self.plan = Plan(True, max_new_cap)  # greedy: the running mode's, set per chunk
+        self.prior = jnp.zeros((1,), jnp.float32)  # auto's per-entry priors (unused else)
+        self.calibration = 1.0
         if drafter is not None:
-            if len(menu) != 1 or menu[0].kind == "none":
-                raise ValueError(f"the pool verifies one draft shape per step (method 'dflash' "
-                                 f"or 'ddtree'), got menu {[str(m) for m in menu]}: method "
-                                 f"'auto' does not run on the pool yet")  # fmt: skip
+            if not menu or all(m.kind == "none" for m in menu):
+                names = [str(m) for m in menu]
+                raise ValueError(f"a drafting pool needs a draft shape on its menu, got {names} "
+                                 "(plain decoding: no drafter)")  # fmt: skip
             if drafter.sharding is not None:
                 raise ValueError("the serving engine runs on one device (drafter has a mesh)")
             block_size = check_pair(target, drafter, block_size)
             drafter = drafter.with_kernels(target.cfg.kernels)  # it follows its target's policy
             # no step verifies more nodes than a cache holds after a one-token prompt
             menu = arguments.cap_trees(menu, arguments.tree_cap(cache_size, [1]))
-            self.plan = Plan(True, max_new_cap, block_size, menu)
-        elif block_size is not None or menu:
-            raise ValueError("block_size and menu need a drafter")
+            cost = auto.step_cost(cost, target, drafter) if len(menu) > 1 else None
+            self.plan = Plan(True, max_new_cap, block_size, menu, cost)
+            if self.plan.adaptive:
+                self.prior = jnp.asarray(auto.priors(menu, drafter), jnp.float32)
+                self.calibration = float(calibration)
+        elif block_size is not None or menu or cost is not None:
+            raise ValueError("block_size, menu and cost need a drafter")
         self.target, self.drafter = target, drafter
         self.B, self.S, self.N = max_batch, cache_size, max_new_cap
         self.greedy, self.chunk_steps = True, chunk_steps
@@ -116,13 +126,16 @@ class Engine:
 
     @property
     def method(self) -> str:
-        """What the pool runs: "ar", "dflash" (a chain) or "ddtree" (a tree)."""
+        """What the pool runs: "ar", "dflash" (a chain), "ddtree" (a tree) or "auto"."""
         if not self.plan.speculative:
             return "ar"
+        if self.plan.adaptive:
+            return "auto"
         return "dflash" if self.plan.menu[0].kind == "chain" else "ddtree"
 
     def _empty(self) -> pool.Pool:
-        return pool.empty(self.target, self.drafter, self.plan, self.B, self.S)
+        return pool.empty(self.target, self.drafter, self.plan, self.B, self.S,
+                          self.calibration, self.prior)  # fmt: skip
 
     def _graphs(self) -> tuple:
         """(tgraph, tstate, dgraph, dstate): the programs' model arguments."""
@@ -229,8 +242,10 @@ class Engine:
         state = dataclasses.replace(self.pool.state, top_p=jnp.float32(mode.top_p))
         tg, ts, dg, ds = self._graphs()
         args = (self.pool._replace(state=state),
-                *map(jnp.asarray, (tokens, lens, slots, max_new, stop, temps, seeds)))  # fmt: skip
-        fn = self.target.executables.get(pool.admit, tg, ts, dg, ds, *args, greedy=self.greedy)
+                *map(jnp.asarray, (tokens, lens, slots, max_new, stop, temps, seeds)),
+                self.prior)  # fmt: skip
+        plan = dataclasses.replace(self.plan, greedy=self.greedy)
+        fn = self.target.executables.get(pool.admit, tg, ts, dg, ds, *args, plan=plan)
         self.pool = fn(ts, ds, *args)
 
     def _collect(self) -> list[Update]:
@@ -261,14 +276,14 @@ def generate_stream(target: Target, prompts: list[list[int]], max_batch: int, ma
                     stop: list[list[int]], *, cache_size: int, temperature: float = 0.0,
                     top_p: float = 1.0, seed: int = 0, seeds: list[int] | None = None,
                     chunk_steps: int = 32, drafter: Drafter | None = None,
-                    block_size: int | None = None,
-                    menu: tuple[DraftShape, ...] = ()) -> Streamed:  # fmt: skip
+                    block_size: int | None = None, menu: tuple[DraftShape, ...] = (),
+                    cost=None, calibration: float = 1.0) -> Streamed:  # fmt: skip
     """Every prompt (token ids) streamed through a pool of `max_batch` slots (drafting with
     `drafter` as `Engine` does). seeds: one per prompt (its samples then do not depend on the
     other prompts); else each is derived from `seed`."""
     engine = Engine(target, max_batch, cache_size, max(max_new), drafter=drafter,
-                    block_size=block_size, menu=menu, chunk_steps=chunk_steps,
-                    seed=seed)  # fmt: skip
+                    block_size=block_size, menu=menu, cost=cost, calibration=calibration,
+                    chunk_steps=chunk_steps, seed=seed)  # fmt: skip
     seeds = seeds if seeds is not None else [None] * len(prompts)
     ids = [engine.submit(Request(list(p), m, list(s), temperature, top_p, seed))
            for p, m, s, seed in zip(prompts, max_new, stop, seeds)]  # fmt: skip

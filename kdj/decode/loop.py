@@ -76,9 +76,12 @@ def running(state: DecodeState, plan: Plan):
     return (state.step < plan.max_steps) & ~jnp.all(state.done)
 
 
-def body(target, drafter, plan: Plan):
+def body(target, drafter, plan: Plan, going=None):
     """The loop's body for the plan's method: one step (AR, DFlash, DDTree, auto over a menu
-    without "none"), or auto's runs of plain and drafted steps (a menu with "none")."""
+    without "none"), or auto's runs of plain and drafted steps (a menu with "none"), whose
+    inner loops stop where the loop itself would: `going(state)`, the loop's condition
+    (default `running`; the slot pool's stops when a slot finishes, kdj/decode/pool.py)."""
+    going = going or (lambda s: running(s, plan))
     if not plan.speculative:
 
         def step(s):
@@ -88,7 +91,7 @@ def body(target, drafter, plan: Plan):
         return step
     if not plan.can_skip:
         return lambda s: drafted_step(target, drafter, s, plan)
-    return lambda s: auto_runs(target, drafter, s, plan)
+    return lambda s: auto_runs(target, drafter, s, plan, going)
 
 
 def run(target, drafter, state: DecodeState, plan: Plan) -> DecodeState:
@@ -124,7 +127,7 @@ def drafted_step(target, drafter, state: DecodeState, plan: Plan) -> DecodeState
     taps = drafter.cfg.target_layer_ids
     args = (dist, full, state.tcache, state.last, limit, key, state.temperature, state.top_p)
     if plan.adaptive:
-        gains = auto.corrected(raw, state.auto.hits)
+        gains = auto.corrected(raw, auto.pooled(state.auto))
         choice = auto.choose(plan.menu, gains, active, plan.cost, context)
         branches = [functools.partial(check, s, target, taps, plan) for s in plan.menu]
         tcache, acc = jax.lax.switch(choice, branches, *args)
@@ -156,21 +159,23 @@ def skip_step(target, drafter, state: DecodeState, plan: Plan) -> DecodeState:
     return dataclasses.replace(state, stats=stats, auto=auto.skipped(state.auto))
 
 
-def auto_runs(target, drafter, state: DecodeState, plan: Plan) -> DecodeState:
+def auto_runs(target, drafter, state: DecodeState, plan: Plan, going) -> DecodeState:
     """A run of plain steps (none while drafting pays), the queue flushed into the drafter's
-    context, then drafted steps while they are due. Inner loops, not branches: loop-carried
-    caches update in place, while a lax.cond around the target pass makes XLA copy them."""
+    context, then drafted steps while they are due; each step only while `going`. Inner
+    loops, not branches: loop-carried caches update in place, while a lax.cond around the
+    target pass makes XLA copy them. A run cut short by `going` resumes at the next body:
+    `since` counts its plain steps."""
     room = state.pending.shape[1] - jnp.max(state.n_pend)
     state = dataclasses.replace(state, auto=auto.plain_run(state.auto, room))
     state = jax.lax.while_loop(
-        lambda s: running(s, plan) & (s.auto.left > 0),
+        lambda s: going(s) & (s.auto.left > 0),
         lambda s: skip_step(target, drafter, s, plan),
         state,
     )
     with scope("flush"):
         state = flush(drafter, state)
     return jax.lax.while_loop(
-        lambda s: running(s, plan) & auto.draft_due(s.auto),
+        lambda s: going(s) & auto.draft_due(s.auto),
         lambda s: drafted_step(target, drafter, s, plan),
         state,
     )

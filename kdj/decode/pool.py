@@ -4,11 +4,17 @@
             drafter's cache and feature queue when the pool drafts), every row done
     admit   prefill newcomers into rows of the pool (target and drafter K/V, lengths, the
             rows' budgets, stops, keys, temperatures; their feature queues emptied)
-    chunk   the loop's own body (loop.body: plain_step or drafted_step) over the whole pool,
-            until a running slot finishes, all are done, or a bound of steps
+    chunk   the loop's own body (loop.body: plain_step, drafted_step, or auto's runs of
+            plain and drafted steps) over the whole pool, until a running slot finishes, all
+            are done, or a bound of steps
 
 `Pool` carries, beside the DecodeState, each slot's steps since admission: a request's tokens
-per step, (tokens - 1) / steps (the first token comes from prefill). The state's step-indexed
+per step, (tokens - 1) / steps (the first token comes from prefill). method="auto" keeps its
+controller's forecasts per slot (kdj/decode/auto.py `Controller`): admission resets a slot's
+to the calibrated priors. Its steps are priced at the pool's B rows, whatever the number of
+live slots (free and finished slots ride along, so a step costs what a step of B rows
+costs), and they earn what the live slots' forecasts add up to (`auto.choose` and
+`auto.drafting_pays` count active rows only). The state's step-indexed
 `Stats` are not read here: the pool's step count grows without bound, and their writes past
 `plan.max_steps` are dropped, so they stay one fixed buffer.
 """
@@ -25,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from kdj.cache import KVCache, init_cache
-from kdj.decode import loop
+from kdj.decode import auto, loop
 from kdj.decode.sampling import request_keys
 from kdj.decode.state import DecodeState, Plan, Prefilled, init_state, is_stop
 
@@ -37,8 +43,9 @@ class Pool(NamedTuple):
     steps: jax.Array  # [B] int32 steps each slot's request took while running
 
 
-def empty(target, drafter, plan: Plan, B: int, S: int) -> Pool:
-    """B free slots of S tokens; `plan.max_steps` is the most tokens a request emits."""
+def empty(target, drafter, plan: Plan, B: int, S: int, calibration=1.0, prior=None) -> Pool:
+    """B free slots of S tokens; `plan.max_steps` is the most tokens a request emits.
+    calibration, prior: auto's forecast temperature and per-entry priors (loop.decode's)."""
 
     def zeros():  # a buffer each: the pool is donated
         return jnp.zeros((B,), jnp.int32)
@@ -48,24 +55,27 @@ def empty(target, drafter, plan: Plan, B: int, S: int) -> Pool:
     width = 0 if drafter is None else target.cfg.hidden_size * len(drafter.cfg.target_layer_ids)
     state = init_state(pre, zeros(), jnp.full((B, STOP_WIDTH), -1, jnp.int32),
                        request_keys(np.zeros(B, np.uint32), shared=True),
-                       jnp.ones((B,), jnp.float32), 1.0, 1.0, None, plan, width)  # fmt: skip
+                       jnp.ones((B,), jnp.float32), 1.0, calibration, prior, plan,
+                       width)  # fmt: skip
     return Pool(state, zeros())
 
 
 @functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "plan"), donate_argnames=("pool",))
 def chunk(tgraph, tstate, dgraph, dstate, pool: Pool, bound, *, plan: Plan) -> Pool:
     """The loop's body over the pool until a running slot finishes, all are done, or `bound`
-    steps ran. One step per body: auto's runs of plain steps (plan.can_skip) do not fit."""
+    steps ran. The body's own inner loops (auto's runs) stop on the same condition, so no
+    step runs after a slot finishes: every slot running at entry ran every step."""
     target = nnx.merge(tgraph, tstate)
     drafter = None if dgraph is None else nnx.merge(dgraph, dstate)
-    step = loop.body(target, drafter, plan)
-    entry_done, stop_at = pool.state.done, pool.state.step + bound
+    entry = pool.state
+    stop_at = entry.step + bound
 
-    def cond(p):
-        s = p.state
-        return (s.step < stop_at) & ~jnp.any(s.done & ~entry_done) & ~jnp.all(s.done)
+    def going(s):
+        return (s.step < stop_at) & ~jnp.any(s.done & ~entry.done) & ~jnp.all(s.done)
 
-    return jax.lax.while_loop(cond, lambda p: Pool(step(p.state), p.steps + p.state.active), pool)
+    state = jax.lax.while_loop(going, loop.body(target, drafter, plan, going), entry)
+    ran = jnp.where(entry.active, state.step - entry.step, 0)
+    return Pool(state, pool.steps + ran)
 
 
 def _put(pool: KVCache, new: KVCache, slots, lens) -> KVCache:
@@ -82,14 +92,14 @@ def _put(pool: KVCache, new: KVCache, slots, lens) -> KVCache:
     )  # fmt: skip
 
 
-@functools.partial(
-    jax.jit, static_argnames=("tgraph", "dgraph", "greedy"), donate_argnames=("pool",)
-)
+@functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "plan"), donate_argnames=("pool",))
 def admit(tgraph, tstate, dgraph, dstate, pool: Pool, tokens, lens, slots, max_new, stop, temps,
-          seeds, *, greedy) -> Pool:  # fmt: skip
+          seeds, prior, *, plan: Plan) -> Pool:  # fmt: skip
     """Prefill newcomers tokens [A, P] (with the drafter's context when the pool drafts) and
     write them into pool rows `slots` [A] (B: padding, dropped). The prefill caches hold P
-    slots only: the pool keeps the rest."""
+    slots only: the pool keeps the rest. prior [len(plan.menu)]: auto's priors, which the
+    rows' forecasts restart from."""
+    greedy = plan.greedy
     state = pool.state
     target = nnx.merge(tgraph, tstate)
     A, P = tokens.shape
@@ -119,4 +129,8 @@ def admit(tgraph, tstate, dgraph, dstate, pool: Pool, tokens, lens, slots, max_n
             state, dcache=_put(state.dcache, pre.dcache, slots, lens),
             pending=set_(state.pending, 0), n_pend=set_(state.n_pend, 0),
         )  # fmt: skip
+    if plan.adaptive:
+        rows = set_(jnp.zeros(state.done.shape, bool), True)
+        ctrl = auto.admit(state.auto, plan, prior, rows, state.tcache.lengths, state.active)
+        state = dataclasses.replace(state, auto=ctrl)
     return Pool(state, set_(pool.steps, 0))

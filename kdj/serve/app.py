@@ -177,8 +177,9 @@ def make_app(target, name: str, *, drafter=None, method: str = "ar", block_size=
     """The app serving `target` (a kdj.Target with a tokenizer) as model `name`: a pool of
     max_batch slots of `context` tokens each, up to max_queue requests waiting;
     max_tokens / temperature / top_p are the defaults of a request that gives none. With a
-    `drafter`, method "dflash" or "ddtree" (block_size, tree_budget as kdj.generate takes
-    them) decodes speculatively in the pool; "auto" with a drafter is refused (not yet)."""
+    `drafter`, method "dflash", "ddtree" or "auto" (block_size, tree_budget as kdj.generate
+    takes them) decodes speculatively in the pool; auto's default menu is priced once, for
+    a full pool at half a slot's context (requests' lengths are not known yet)."""
     if target.tokenizer is None:
         raise ValueError("serving needs the target's tokenizer (this target has none)")
     opts = api.check_options(target, drafter, method, block_size, tree_budget, None, None,
@@ -186,7 +187,8 @@ def make_app(target, name: str, *, drafter=None, method: str = "ar", block_size=
     tok = target.tokenizer
     stop_ids = tuple(sorted(tok.stop_ids or target.cfg.eos_token_ids))
     cap = min(max_tokens, context - 1)
+    drafting = api.pool_drafting(opts, target, drafter, max_batch, context, context / 2)
     engine = Engine(target, max_batch, context, context - 1, chunk_steps=chunk_steps, seed=seed,
-                    **api.pool_drafting(opts, drafter))  # fmt: skip
+                    **drafting)  # fmt: skip
     served = Served(name, tok, stop_ids, cap, temperature, top_p, engine.method)
     return build_app(Worker(engine, max_queue), served)

@@ -21,7 +21,7 @@ class Served:
     max_tokens: int
     temperature: float
     top_p: float
-    method: str = "ar"  # what the engine runs: "ar", "dflash" or "ddtree" (usage reports it)
+    method: str = "ar"  # what the engine runs: ar, dflash, ddtree or auto (usage reports it)
 
 
 class Parsed(NamedTuple):
