@@ -149,6 +149,7 @@ class Options(NamedTuple):
     calibration: float
     shapes: tuple  # the menu as parsed (before pricing); () for "ar"
     requested_tree_budget: int | None  # tree_budget as asked, before cap_trees
+    forecast: bool  # drafted steps compute the drafter's forecast (auto, or calibration given)
 
 
 def check_options(target, drafter, method, block_size, tree_budget, menu, calibration,
@@ -168,13 +169,16 @@ def check_options(target, drafter, method, block_size, tree_budget, menu, calibr
         tree_budget = DEFAULT_TREE_BUDGET if tree_budget is None else tree_budget
         tree_budget = arguments.integer(tree_budget, "tree_budget", 1)
     shapes = ()
+    # a fixed method forecasts (stats expected_acceptance) only when asked for a calibration
+    forecast = method == "auto" or (speculative and calibration is not None)
     if speculative:
         calibration = drafter.calibration if calibration is None else calibration
         calibration = arguments.calibration(calibration)
         shapes = auto.parse_menu(method, menu, block_size, tree_budget)
     if mesh is not None and as_sharding(mesh) != target.sharding:
         raise ValueError("the target lives on another mesh: load it with load_target(mesh=...)")
-    return Options(method, block_size, tree_budget, calibration or 1.0, shapes, tree_budget)
+    return Options(method, block_size, tree_budget, calibration or 1.0, shapes, tree_budget,
+                   forecast)  # fmt: skip
 
 
 def cap_trees(opts: Options, batch: Batch) -> Options:
@@ -199,7 +203,7 @@ def make_plan(opts: Options, target, drafter, batch, greedy: bool, cost):
     shapes, cost = priced_menu(shapes, target, drafter, len(batch.lens), context, cost)
     if all(s.kind == "none" for s in shapes):
         return Plan(greedy, max_steps), [0.0], shapes
-    plan = Plan(greedy, max_steps, opts.block_size, shapes, cost)
+    plan = Plan(greedy, max_steps, opts.block_size, shapes, cost, forecast=opts.forecast)
     return plan, auto.priors(shapes, drafter), shapes
 
 
@@ -340,7 +344,7 @@ def assemble(opts: Options, shapes, batch: Batch, res: Run, tokenizer) -> Genera
         texts = [tokenizer.decode([t for t in seq if t not in batch.stops]) for seq in toks]
     stats = decode_stats(method, res, B)
     if method != "ar":
-        stats.update(speculative_stats(method, res, B, shapes, opts.block_size))
+        stats.update(speculative_stats(method, res, B, shapes, opts.block_size, opts.forecast))
     if method == "ddtree":
         sizes = [int(s) for row in res.stats.sizes[:B] for s in row if s > 0]
         stats["tree_budget"] = opts.tree_budget  # what ran: capped by what fits in the cache

@@ -30,8 +30,9 @@ def decode_stats(method, res, B: int) -> dict:
     }
 
 
-def speculative_stats(method, res, B, shapes, block_size) -> dict:
-    """The drafter's forecast beside the realised tau, and auto's choices."""
+def speculative_stats(method, res, B, shapes, block_size, forecast: bool) -> dict:
+    """The drafter's forecast beside the realised tau (where the run forecast), and auto's
+    choices."""
     if res.stats is None:  # auto ran plain decoding: every step skipped the drafter
         taus = [[1] * (int(n) - 1) for n in res.n_out[:B]]
         expected, choices = [[1.0] * len(row) for row in taus], [len(shapes)] * res.steps
@@ -44,12 +45,11 @@ def speculative_stats(method, res, B, shapes, block_size) -> dict:
                     for er, tr in zip(res.stats.expected[:B], res.stats.taus[:B])]  # fmt: skip
         choices = res.stats.choices
     pairs = [(e, t) for er, tr in zip(expected, taus) for e, t in zip(er, tr)]
-    stats = {
-        "block_size": block_size,
-        "expected_acceptance": expected,
-        "mean_expected_acceptance": float(np.mean([e for e, _ in pairs] or np.nan)),
-        "calibration_error": float(np.mean([abs(e - t) for e, t in pairs] or np.nan)),
-    }
+    stats = {"block_size": block_size}
+    if forecast:
+        stats["expected_acceptance"] = expected
+        stats["mean_expected_acceptance"] = float(np.mean([e for e, _ in pairs] or np.nan))
+        stats["calibration_error"] = float(np.mean([abs(e - t) for e, t in pairs] or np.nan))
     if method == "auto":
         # per step, for the whole batch; "skip": a plain step that did not run the drafter
         names = [str(s) for s in shapes] + ["skip"]

@@ -464,7 +464,7 @@ def test_calibration_changes_only_the_forecast_and_is_saved_with_the_drafter(tmp
     assert again.calibration == report["temperature"]
     assert again.entry_acceptance == by_entry and again.prior_acceptance == by_entry["tree6"]
     out = kdj.generate(target, prompts, drafter=again, method="ddtree", tree_budget=6,
-                       max_new_tokens=8, stop_tokens=[])  # fmt: skip
+                       max_new_tokens=8, stop_tokens=[], calibration=again.calibration)  # fmt: skip
     assert out.stats["calibration_error"] >= 0
 
 

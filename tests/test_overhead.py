@@ -197,3 +197,57 @@ def test_tuning_pass_times_the_menu_caches_by_key_and_auto_reads_it(
                                         stop_tokens=[]).tokens  # fmt: skip
     assert "tuning auto's step costs at batch 8" in capsys.readouterr().err
     assert tune.cached(target, drafter, 8) is not None
+
+
+def test_fixed_methods_do_no_forecast_work_unless_asked(target):
+    """A fixed method's drafted step skips the drafter's forecast (a pass over the [B, L, V]
+    draft): fewer full-vocabulary reductions than the same step asked to forecast, which
+    auto's steps always do; the stats say so."""
+    from kdj.decode.loop import drafted_step
+    from kdj.decode.state import Plan, Prefilled, init_state
+    from kdj.models.drafter import build_drafter
+    from kdj.train.config import DrafterShape
+    from kdj.train.trainer import drafter_config_for
+
+    shape = DrafterShape(num_layers=1, block_size=4, mask_token_id=V - 1, intermediate_size=32)
+    dmodel = build_drafter(drafter_config_for(target.cfg, shape), jnp.float32, seed=2)
+    B, S, k = 2, 32, shape.block_size
+    lens = jnp.full((B,), 8, jnp.int32)
+    tcache = init_cache(target.cfg, B, S, jnp.float32).with_lengths(lens)
+    dcache = init_cache(dmodel.cfg.layers, B, S, jnp.float32).with_lengths(lens)
+    pre = Prefilled(jnp.zeros((B,), jnp.int32), tcache, dcache)
+    width = target.cfg.hidden_size * len(dmodel.cfg.target_layer_ids)
+
+    def vocab_reductions(plan):
+        one = jnp.float32(1.0)
+        state = init_state(pre, jnp.full((B,), 8), jnp.full((B, 1), -1, jnp.int32),
+                           request_keys([0] * B, shared=True), one, one, one, [0.0], plan,
+                           width)  # fmt: skip
+        jaxpr = jax.make_jaxpr(lambda s: drafted_step(target.model, dmodel, s, plan))(state)
+
+        def count(jx):
+            n = 0
+            for eq in jx.eqns:
+                shapes = [getattr(v.aval, "shape", ()) for v in eq.invars]
+                if eq.primitive.name == "reduce_max" and any(s and s[-1] == V for s in shapes):
+                    n += 1
+                for value in eq.params.values():  # the bodies of jit, cond, scan, while
+                    for sub in value if isinstance(value, (tuple, list)) else [value]:
+                        sub = getattr(sub, "jaxpr", sub)
+                        if hasattr(sub, "eqns"):
+                            n += count(sub)
+            return n
+
+        return count(jaxpr.jaxpr)
+
+    menu = (trees.DraftShape("chain", k - 1),)
+    fixed = vocab_reductions(Plan(True, 8, k, menu))
+    asked = vocab_reductions(Plan(True, 8, k, menu, forecast=True))
+    assert 0 < fixed < asked
+    drafter = kdj.Drafter.from_model(dmodel, "tiny", None)
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    plain = kdj.generate(target, prompts, drafter=drafter, method="dflash", max_new_tokens=6)
+    told = kdj.generate(target, prompts, drafter=drafter, method="dflash", max_new_tokens=6,
+                        calibration=1.0)  # fmt: skip
+    assert "expected_acceptance" not in plain.stats and told.stats["calibration_error"] >= 0
+    assert plain.tokens == told.tokens

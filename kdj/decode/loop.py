@@ -122,8 +122,10 @@ def drafted_step(target, drafter, state: DecodeState, plan: Plan) -> DecodeState
     with scope("propose"):  # one build of the menu's largest tree: smaller ones are its nodes
         built = auto.largest_tree(plan.menu)
         full = trees.draft_trees(dist, built) if built else None
-    with scope("forecast"):
-        raw = auto.expected(plan.menu, dist, full, state.calibration)  # [S, B]
+    raw = None
+    if plan.forecasts:
+        with scope("forecast"):
+            raw = auto.expected(plan.menu, dist, full, state.calibration)  # [S, B]
     taps = drafter.cfg.target_layer_ids
     args = (dist, full, state.tcache, state.last, limit, key, state.temperature, state.top_p)
     if plan.adaptive:
@@ -136,7 +138,7 @@ def drafted_step(target, drafter, state: DecodeState, plan: Plan) -> DecodeState
         tcache, acc = check(plan.menu[0], target, taps, plan, *args)
     with scope("commit"):
         state, count = commit(state, tcache, acc)
-        expect = jnp.where(active, raw[choice], 0)
+        expect = jnp.where(active, raw[choice] if raw is not None else jnp.nan, 0)
         size = jnp.where(active, acc.size, 0)
         state = dataclasses.replace(state, stats=state.stats.record(i, count, size, choice, expect))
     if plan.adaptive:

@@ -33,6 +33,7 @@ class Plan:
     block_size: int = 0
     menu: tuple[DraftShape, ...] = ()
     cost: StepCost | None = None
+    forecast: bool = False  # record the drafter's forecast in a fixed method too (calibration)
 
     @property
     def speculative(self) -> bool:
@@ -41,6 +42,12 @@ class Plan:
     @property
     def adaptive(self) -> bool:
         return len(self.menu) > 1
+
+    @property
+    def forecasts(self) -> bool:
+        """Whether drafted steps compute the drafter's forecast: auto prices with it; a
+        fixed method only when asked (it costs a pass over the [B, L, V] draft)."""
+        return self.adaptive or self.forecast
 
     @property
     def can_skip(self) -> bool:

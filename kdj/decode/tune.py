@@ -209,7 +209,7 @@ def _time_drafted(target, drafter, shape, batch, context):
     dcache = init_cache(drafter.cfg.layers, B, capacity, target.dtype).with_lengths(lens)
     pre = Prefilled(jnp.zeros((B,), jnp.int32), tcache, dcache)
     steps = (REPEATS + 2) * k
-    plan = Plan(True, steps, k, (shape,))
+    plan = Plan(True, steps, k, (shape,), forecast=True)  # auto's steps forecast
     width = target.cfg.hidden_size * len(drafter.cfg.target_layer_ids)
     one = jnp.float32(1.0)
     state = init_state(pre, jnp.full((B,), steps), jnp.full((B, 1), -1, jnp.int32),
