@@ -124,8 +124,8 @@ def _kernel(
         o, m, l = carry
         s0 = blk * bk
         slots = s0 + jnp.arange(bk)
-        at, masked = pl.ds(s0, bk), {}
-        if tail and fixed_split:
+        at, masked, gather = pl.ds(s0, bk), {}, tail and bool(fixed_split)
+        if gather:
             # Logical slot start + d holds the node's d-th path entry (packed_paths).
             row = (b * T + node) * T
             src, seen = packed_source(
@@ -136,12 +136,12 @@ def _kernel(
             masked = dict(mask=(slots < end)[:, None], other=0)
 
         def cols(off, size):  # a gather indexes every axis by arrays (Pallas' interpreter)
-            return pl.ds(off, size) if isinstance(at, pl.Slice) else off + jnp.arange(size)[None]
+            return off + jnp.arange(size)[None] if gather else pl.ds(off, size)
 
         ks = [plgpu.load(k_ref.at[b, h, at, cols(off, size)], **masked) for off, size in parts]
         s = sum(plgpu.dot(qp, kp, trans_b=True, precision=precision) for qp, kp in zip(qs, ks))
         s = s.astype(jnp.float32) * scale
-        if tail and fixed_split:
+        if gather:
             s = jnp.where(seen[None, :], s, -jnp.inf)
         elif tail:
             # Tree bit of (row's node, slot - start); rows past T * G are padding.
