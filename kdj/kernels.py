@@ -62,7 +62,8 @@ class KernelPolicy:
     # 1-token decode, a k-token verify and any batch: no one-row GEMVs (their XLA twin is a
     # different reduction); where Pallas runs (the GPU), matmuls on fixed tiles and the
     # attention kernel for every T with splits fixed from slot 0 (XLA picks its GEMM per
-    # shape); MoE always per-assignment with a split-K fixed per weight.
+    # shape), each tree node attending over its own path laid out as a plain decode of it
+    # lays it out; MoE always per-assignment with a split-K fixed per weight.
     deterministic: bool = False
 
     def __post_init__(self):
@@ -132,7 +133,8 @@ class KernelPolicy:
     def attention_config(self, T: int) -> dict:
         """The attention kernel's split settings for T new tokens: sized to fill the GPU, or
         in deterministic mode one layout for every T and batch (splits of split_blocks
-        blocks from slot 0, query tiles of 64 rows)."""
+        blocks from slot 0, each node's query rows a tile of their own of at most 64 rows
+        over the node's path: tree_attention.packed_paths)."""
         if self.deterministic:
             return dict(fixed_split=self.split_blocks, block_q=64, block_k=64)
         return dict(programs=self.attention_programs, min_split_blocks=self.min_split_blocks(T))

@@ -16,6 +16,7 @@ from kdj.models import layers
 from kdj.models.transformer import build_model
 from tests.test_adaptive import switching  # noqa: F401 (fixture: auto visits every branch)
 from tests.test_speculative import make_drafter
+from tests.test_tree_attention import path_of
 
 VOCAB = 16
 CONFIGS = {
@@ -73,6 +74,34 @@ def rows_match_steps(target, k=5) -> bool:
     return bool((wide == jnp.stack(steps, 1)).all() and (alone[0] == wide[1]).all())
 
 
+TREE_PARENTS = [-1, 0, 0, 1, 0, 2, 3]  # a random-shaped tree: node 0 the root, parents first
+
+
+def tree_rows_match_paths(target) -> bool:
+    """Whether one pass over a tree gives each node the same logits, bitwise, as a plain
+    decode of the node's path from the root (over a ragged committed prefix)."""
+    model, cfg, dtype = target.model, target.cfg, target.dtype
+    B, P, T = 3, 6, len(TREE_PARENTS)
+    toks = jax.random.randint(jax.random.key(1), (B, P + T), 0, cfg.vocab_size)
+    lens = jnp.asarray([6, 2, 4], jnp.int32)
+    paths = [path_of(TREE_PARENTS, t) for t in range(T)]
+    tree = jnp.zeros((B, T, T), bool)
+    for t, path in enumerate(paths):
+        tree = tree.at[:, t, jnp.asarray(path)].set(True)
+    depth = jnp.asarray([len(path) - 1 for path in paths], jnp.int32)
+    run = jax.jit(lambda t, s, c, **kw: model(t, s, c, **kw)[:2])
+    prefix = run(toks[:, :P], jnp.zeros(B, jnp.int32), init_cache(cfg, B, 32, dtype))[1]
+    nodes = toks[:, P:]
+    wide, _ = run(nodes, lens, prefix, positions=lens[:, None] + depth, tree=tree)
+    for t, path in enumerate(paths):
+        cache = prefix
+        for i, node in enumerate(path):
+            logits, cache = run(nodes[:, node : node + 1], lens + i, cache)
+        if not (logits[:, 0] == wide[:, t]).all():
+            return False
+    return True
+
+
 def width_dependent_matmul(x, w, kernels):
     """A matmul whose rounding depends on how many rows are in flight: two bf16 halves of K
     summed when there are several rows (as a split-K chosen by M would)."""
@@ -88,6 +117,7 @@ def test_verify_rows_equal_decode_steps_and_the_check_catches_a_width_dependent_
     _, target, _ = pair
     det = target.with_kernels(target.cfg.kernels.as_deterministic())
     assert rows_match_steps(det)
+    assert tree_rows_match_paths(det)
     monkeypatch.setattr(layers, "matmul", width_dependent_matmul)
     assert not rows_match_steps(det)
 
@@ -105,6 +135,7 @@ def test_fixed_tiles_and_splits_keep_rows_equal(pair):
     assert policy.fixed_tiles() and not policy.replace(deterministic=False).fixed_tiles()
     assert policy.attention_kernel_for(1) and policy.attention_config(1)["fixed_split"]
     assert rows_match_steps(target.with_kernels(policy))
+    assert tree_rows_match_paths(target.with_kernels(policy))
     x = jax.random.normal(jax.random.key(0), (70, 64), jnp.float32)
     w = jax.random.normal(jax.random.key(1), (64, 200), jnp.float32)
     assert jnp.allclose(layers.fixed_tile_matmul(x[:, :40], w[:40]), x[:, :40] @ w[:40],

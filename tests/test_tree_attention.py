@@ -206,3 +206,118 @@ def test_tree_cut_at_the_cache_end():
     keep = jnp.asarray(valid)  # ...and its output is never used: compare the kept nodes
     assert np.isfinite(out[keep]).all()
     np.testing.assert_allclose(out[keep], ref[keep], atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------- deterministic layout
+def random_parents(rng, B, T):
+    """[B, T] parents of random trees (node 0 the root, parent < child) and their [B, T, T]
+    ancestors-and-self masks."""
+    parent = np.full((B, T), -1)
+    mask = np.zeros((B, T, T), bool)
+    for b in range(B):
+        mask[b, 0, 0] = True
+        for i in range(1, T):
+            parent[b, i] = rng.integers(0, i)
+            mask[b, i] = mask[b, parent[b, i]]
+            mask[b, i, i] = True
+    return parent, jnp.asarray(mask)
+
+
+def path_of(parent, i):
+    """Node i's path from the root, root first, by walking its parents."""
+    path = [i]
+    while parent[path[-1]] >= 0:
+        path.append(int(parent[path[-1]]))
+    return path[::-1]
+
+
+def decoded_cache(x, b, start, path, fill):
+    """Row b of cache x [B, KVH, S, D] as a plain decode of `path` holds it: the committed
+    slots < start, then the path's nodes (written at start + tree index) at start + 0, 1, ..;
+    `fill` past them (slots a decode has not written)."""
+    x = np.asarray(x[b])
+    out = np.full_like(x, fill)
+    out[:, :start] = x[:, :start]
+    out[:, start : start + len(path)] = x[:, start + np.asarray(path)]
+    return out
+
+
+def test_packed_layout_is_each_nodes_decode_cache():
+    """Deterministic mode's key layout: each node's committed slots as they are, then its
+    packed new slots, equal the cache a plain decode of the node's path holds (exactly)."""
+    B, T, KVH, D = 3, 23, 2, 8
+    rng = np.random.default_rng(4)
+    parent, mask = random_parents(rng, B, T)
+    start = np.asarray([5, 0, 13], np.int32)
+    k = jnp.asarray(rng.standard_normal((B, KVH, 13 + T + 2, D)), jnp.float32)
+    paths = ta.packed_paths(mask)
+    view, seen = (np.asarray(x) for x in ta.packed_view(k, jnp.asarray(start), paths))
+    for b in range(B):
+        for t in range(T):
+            path = path_of(parent[b], t)
+            assert int(paths.count[b, t]) == len(path)
+            n = start[b] + len(path)
+            assert seen[b, t, :n].all() and not seen[b, t, n:].any()
+            want = decoded_cache(k, b, start[b], path, np.nan)[:, :n]
+            np.testing.assert_array_equal(view[b, :, t, :n], want)
+    assert (np.asarray(ta.packed_paths(causal_tree(2, 6)).index) == np.tril(np.arange(6))).all()
+
+
+DETERMINISTIC = dict(fixed_split=2, block_q=64, block_k=16)
+
+
+def node_by_node(call, q, caches, start, parent, fill=1e4):
+    """call(q, caches, start, tree) as T = 1 decodes, one per node of every row, each over the
+    cache a plain decode of the node's path holds (as one batch of B x T decodes; the slots
+    past the path hold `fill`, which must not be read). Returns [B, T, H, Dv]."""
+    B, T = q.shape[:2]
+    paths = [(b, path_of(parent[b], t)) for b in range(B) for t in range(T)]
+    cs = [jnp.stack([decoded_cache(c, b, start[b], p, fill) for b, p in paths]) for c in caches]
+    at = jnp.asarray([start[b] + len(p) - 1 for b, p in paths], jnp.int32)
+    out = call(q.reshape(B * T, 1, *q.shape[2:]), *cs, at, jnp.ones((B * T, 1, 1), bool))
+    return out.reshape(B, T, *out.shape[2:])
+
+
+@pytest.mark.parametrize(
+    "dtype,H,KVH,cfg",
+    [(jnp.bfloat16, 8, 2, DETERMINISTIC),  # G = 4: one 16-row tile per node
+     (jnp.float32, 64, 2, dict(DETERMINISTIC, block_q=16))],  # G = 32: two tiles per node
+)  # fmt: skip
+def test_deterministic_gqa_node_equals_its_decode(dtype, H, KVH, cfg):
+    """fixed_split: every node of a random tree computes, bitwise, what the same kernel
+    computes for a T = 1 decode of the node's path (slots past it filled with junk it must
+    not read), and the reference's numbers."""
+    B, T, hd = 2, 19, 32
+    rng, q, k, v, start = inputs(8, B, T, H, KVH, hd, hd, dtype)
+    parent, tree = random_parents(rng, B, T)
+    out = tree_attention(q, k, v, start, tree, 0.2, **cfg)
+    check(out, reference_attention(q, k, v, start, tree, 0.2), dtype)
+    one = node_by_node(lambda *a: tree_attention(*a, 0.2, **cfg), q, (k, v), start, parent)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(one, np.float32))
+
+
+def test_deterministic_mla_node_equals_its_decode():
+    B, T, H, C, R = 2, 11, 4, 64, 16
+    rng, q, kv, _, start = inputs(9, B, T, H, 1, C + R, 1, jnp.bfloat16)
+    parent, tree = random_parents(rng, B, T)
+    out = latent_tree_attention(q, kv, start, tree, 0.1, C, **DETERMINISTIC)
+    check(out, reference_attention(q, kv, kv[..., :C], start, tree, 0.1), jnp.bfloat16)
+    one = node_by_node(lambda q, kv, s, t: latent_tree_attention(q, kv, s, t, 0.1, C,
+                                                                 **DETERMINISTIC),
+                       q, (kv,), start, parent)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(one, np.float32))
+
+
+def test_packed_reference_node_equals_its_decode():
+    """Deterministic mode's XLA path (the CPU's) takes the kernel's layout: the reference's
+    numbers, and each node bitwise its decode's."""
+    from kdj.models.layers import packed_reference_attention
+
+    B, T, H, KVH, hd = 2, 13, 8, 2, 32
+    rng, q, k, v, start = inputs(10, B, T, H, KVH, hd, hd, jnp.bfloat16)
+    parent, tree = random_parents(rng, B, T)
+    run = jax.jit(packed_reference_attention, static_argnums=5)
+    out = run(q, k, v, start, tree, 0.2)
+    check(out, reference_attention(q, k, v, start, tree, 0.2), jnp.bfloat16)
+    one = node_by_node(lambda *a: run(*a, 0.2), q, (k, v), start, parent, fill=0.0)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(one, np.float32))

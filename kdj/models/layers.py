@@ -266,16 +266,35 @@ def reference_attention(q, k, v, start, tree, scale: float):
     return o.reshape(B, T, H, v.shape[-1])
 
 
+def packed_reference_attention(q, k, v, start, tree, scale: float):
+    """reference_attention over deterministic mode's key layout (tree_attention.packed_view):
+    each query attends over its own view of the cache, laid out as a plain decode of its
+    path would hold it, in one batched dot per query. The CPU path of deterministic mode; it
+    gathers T copies of the cache ([B, KVH, T, S, D] for K and for V)."""
+    B, T, H, Dk = q.shape
+    KVH = k.shape[1]
+    paths = tree_attention.packed_paths(tree)
+    (kv, seen), (vv, _) = (tree_attention.packed_view(x, start, paths) for x in (k, v))
+    q = q.reshape(B, T, KVH, H // KVH, Dk)
+    s = jnp.einsum("btkgd,bktsd->bkgts", q, kv, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(seen[:, None, None], s, NEG_INF)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    o = jnp.einsum("bkgts,bktsd->btkgd", p, vv)
+    return o.reshape(B, T, H, v.shape[-1])
+
+
 def attend(q, k, v, start, tree, scale: float, kernels: KernelPolicy):
     """GQA attention of T new queries over the cache (see the mask form above): the Pallas
-    kernel where `kernels` takes it for this T and shape, else the XLA reference."""
+    kernel where `kernels` takes it for this T and shape, else the XLA reference (in
+    deterministic mode over the kernel's packed key layout)."""
     T = q.shape[1]
     if kernels.attention_kernel_for(T) and tree_attention.supported(
         q.shape, k.shape, v.shape[-1], latent=False
     ):
         return tree_attention.tree_attention(q, k, v, start, tree, scale,
                                              **kernels.attention_config(T))  # fmt: skip
-    return reference_attention(q, k, v, start, tree, scale)
+    reference = packed_reference_attention if kernels.deterministic else reference_attention
+    return reference(q, k, v, start, tree, scale)
 
 
 def attend_latent(q, kv, start, tree, scale: float, v_dim: int, kernels: KernelPolicy):
@@ -289,7 +308,8 @@ def attend_latent(q, kv, start, tree, scale: float, v_dim: int, kernels: KernelP
     ):
         return tree_attention.latent_tree_attention(q, kv, start, tree, scale, v_dim,
                                                     **kernels.attention_config(T))  # fmt: skip
-    return reference_attention(q, kv, kv[..., :v_dim], start, tree, scale)
+    reference = packed_reference_attention if kernels.deterministic else reference_attention
+    return reference(q, kv, kv[..., :v_dim], start, tree, scale)
 
 
 def set_kernels(model: nnx.Module, kernels: KernelPolicy) -> None:

@@ -14,6 +14,13 @@ the tail blocks that hold the tree (masked by start and tree). Each program writ
 unnormalised f32 partial (o, running max m, running sum l); a small XLA step merges them.
 Without the split, a decode step at batch 1 would run KVH = 8 programs on a 132-SM chip.
 
+Deterministic mode (fixed_split): a node must see its keys exactly where a plain decode of
+the node would, or the MMA groups the same terms differently. So every query's visible new
+slots are packed (packed_paths: a node's path from the root, at start + depth), a query tile
+holds one node's rows (its tile size set by G alone), and splits of F blocks count from slot
+0. A T = 1 decode is the same computation with a path of one, at the cost of one program
+row per node: a T-node verify reads the prefix T times (from L2, mostly).
+
 Backend: Pallas with the Triton lowering (``jax.experimental.pallas.triton``). It exists in
 jax 0.10 (CPU CI) and 0.11 (the GPU), where it is deprecated (a warning, silenced below) in
 favour of Mosaic GPU; but only the Triton-flavoured pallas_call runs interpreted on the CPU in
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,12 +81,11 @@ def supported(q_shape, k_shape, v_dim: int, latent: bool) -> bool:
 
 def _kernel(
     start_ref,  # [B] int32
-    tree_ref,  # [B * T * T] int8, flattened
-    q_ref,  # [B, KVH, Rp, Dk]
-    k_ref,  # [B, KVH, S, Dk]
-    *rest,  # v_ref [B, KVH, S, Dv] unless latent; then o [bq, Dv], m [bq], l [bq] blocks
+    tree_ref,  # [B * T * T] flattened: tree bits (int8), or with fixed_split packed paths
+    *refs,  # count [B * T] (fixed_split only), q, k, v unless latent; then o, m, l blocks
     T: int,
     G: int,
+    Gp: int,
     KVH: int,
     parts: tuple[tuple[int, int], ...],
     dv: int,
@@ -90,34 +97,53 @@ def _kernel(
     fixed_split: int,
     precision,
 ):
-    v_ref, o_ref, m_ref, l_ref = (None, *rest) if latent else rest
+    count_ref, *refs = refs if fixed_split else (None, *refs)
+    q_ref, k_ref, *refs = refs  # q [B, KVH, Rp, Dk]; k [B, KVH, S, Dk]
+    v_ref, o_ref, m_ref, l_ref = (None, *refs) if latent else refs
     b, h = pl.program_id(0) // KVH, pl.program_id(0) % KVH
     qi, sp = pl.program_id(1), pl.program_id(2)
+    S = k_ref.shape[2]
 
     rows = qi * bq + jnp.arange(bq)
     # One Q tile, kept in registers for the whole pass; scale folded in once.
     qs = [q_ref[b, h, pl.ds(qi * bq, bq), pl.ds(off, size)] for off, size in parts]
 
     start = start_ref[b]
-    # Slots >= end are never read: past start + T they are stale, and past the cache's last
-    # slot (a tree cut at the cache end) they do not exist; an unmasked read there returns
-    # whatever memory follows, NaN included, which then poisons p @ V even where p = 0.
-    end = jnp.minimum(start + T, k_ref.shape[2])
+    if fixed_split:  # the tile's rows are one node's: it reads its own packed path
+        node = qi * bq // Gp
+        count = count_ref[b * T + node]
+        end = jnp.minimum(start + count, S)
+    else:
+        # Slots >= end are never read: past start + T they are stale, and past the cache's
+        # last slot (a tree cut at the cache end) they do not exist; an unmasked read there
+        # returns whatever memory follows, NaN included, which poisons p @ V even where p = 0.
+        end = jnp.minimum(start + T, S)
     n_full = start // bk  # blocks entirely below start: visible to every query
 
     def step(blk, carry, tail: bool):
         o, m, l = carry
         s0 = blk * bk
         slots = s0 + jnp.arange(bk)
-        # Tail blocks run past end: read those slots as 0 (stale V times p = 0 could be NaN).
-        masked = dict(mask=(slots < end)[:, None], other=0) if tail else {}
-        ks = [
-            plgpu.load(k_ref.at[b, h, pl.ds(s0, bk), pl.ds(off, size)], **masked)
-            for off, size in parts
-        ]
+        at, masked, gather = pl.ds(s0, bk), {}, tail and bool(fixed_split)
+        if gather:
+            # Logical slot start + d holds the node's d-th path entry (packed_paths).
+            row = (b * T + node) * T
+            src, seen = packed_source(
+                slots, start, count, lambda j: tree_ref[row + j].astype(jnp.int32), T, S
+            )
+            at, masked = src[:, None], dict(mask=seen[:, None], other=0)
+        elif tail:  # tail blocks run past end: read those slots as 0 (stale V times p = 0: NaN)
+            masked = dict(mask=(slots < end)[:, None], other=0)
+
+        def cols(off, size):  # a gather indexes every axis by arrays (Pallas' interpreter)
+            return off + jnp.arange(size)[None] if gather else pl.ds(off, size)
+
+        ks = [plgpu.load(k_ref.at[b, h, at, cols(off, size)], **masked) for off, size in parts]
         s = sum(plgpu.dot(qp, kp, trans_b=True, precision=precision) for qp, kp in zip(qs, ks))
         s = s.astype(jnp.float32) * scale
-        if tail:
+        if gather:
+            s = jnp.where(seen[None, :], s, -jnp.inf)
+        elif tail:
             # Tree bit of (row's node, slot - start); rows past T * G are padding.
             t = jnp.minimum(rows // G, T - 1)
             j = jnp.clip(slots - start, 0, T - 1)
@@ -132,7 +158,7 @@ def _kernel(
         if latent:
             vt = ks[0]  # the first C columns of the stream are the values: no second read
         else:
-            vt = plgpu.load(v_ref.at[b, h, pl.ds(s0, bk), :], **masked)
+            vt = plgpu.load(v_ref.at[b, h, at, cols(0, v_ref.shape[3])], **masked)
         pv = plgpu.dot(p.astype(vt.dtype), vt, precision=precision).astype(jnp.float32)
         return o * alpha[:, None] + pv, m_new, l * alpha + p.sum(axis=1)
 
@@ -141,24 +167,83 @@ def _kernel(
         jnp.full((bq,), -jnp.inf, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
     )
-    if fixed_split:  # program sp: blocks [sp F, (sp + 1) F) of the slot axis, all masked
-        lo = jnp.minimum(sp * fixed_split, pl.cdiv(end, bk))
-        hi = jnp.minimum(lo + fixed_split, pl.cdiv(end, bk))
+    if fixed_split:
+        # Program sp: blocks [sp F, (sp + 1) F) of the slot axis up to the node's end, every
+        # one through the same gathered step: a decode of the node reads its ancestors below
+        # its start, the node above, and the two must run the same code on each block.
+        n_blocks = pl.cdiv(end, bk)
+        lo = jnp.minimum(sp * fixed_split, n_blocks)
+        hi = jnp.minimum(lo + fixed_split, n_blocks)
         o, m, l = lax.fori_loop(lo, hi, functools.partial(step, tail=True), carry)
-        o_ref[...] = o
-        m_ref[...] = m
-        l_ref[...] = l
-        return
-    # Prefix programs sp < NS share the n_full unmasked blocks; program NS does the tail.
-    per = pl.cdiv(n_full, n_prefix_splits)
-    lo, hi = jnp.minimum(sp * per, n_full), jnp.minimum((sp + 1) * per, n_full)
-    carry = lax.fori_loop(lo, hi, functools.partial(step, tail=False), carry)
-    is_tail = sp == n_prefix_splits
-    lo, hi = jnp.where(is_tail, n_full, 0), jnp.where(is_tail, pl.cdiv(end, bk), 0)
-    o, m, l = lax.fori_loop(lo, hi, functools.partial(step, tail=True), carry)
+    else:
+        # Prefix programs sp < NS share the n_full unmasked blocks; program NS does the tail.
+        per = pl.cdiv(n_full, n_prefix_splits)
+        lo, hi = jnp.minimum(sp * per, n_full), jnp.minimum((sp + 1) * per, n_full)
+        carry = lax.fori_loop(lo, hi, functools.partial(step, tail=False), carry)
+        is_tail = sp == n_prefix_splits
+        lo, hi = jnp.where(is_tail, n_full, 0), jnp.where(is_tail, pl.cdiv(end, bk), 0)
+        o, m, l = lax.fori_loop(lo, hi, functools.partial(step, tail=True), carry)
     o_ref[...] = o
     m_ref[...] = m
     l_ref[...] = l
+
+
+class PackedPaths(NamedTuple):
+    """Deterministic mode's key layout (packed_paths)."""
+
+    index: jax.Array  # [B, T, T] int: query i's d-th visible new slot, relative to start
+    count: jax.Array  # [B, T] int32: how many new slots query i sees
+
+
+def packed_paths(tree) -> PackedPaths:
+    """Each query's visible new slots (its row of tree [B, T, T]) packed in slot order; index
+    is 0 past count. For a tree laid parents first (kdj/decode/tree.py) those are the node's
+    path from the root, so packed at start + d they sit where a plain decode of that path
+    keeps them; a chain (a DFlash draft, a prefill) packs to itself."""
+    T = tree.shape[-1]
+    order = jnp.argsort(~tree, axis=-1, stable=True)  # visible first, each group in order
+    count = tree.sum(-1, dtype=jnp.int32)
+    index = jnp.where(jnp.arange(T) < count[..., None], order, 0)
+    return PackedPaths(index.astype(jnp.int16 if T < 1 << 15 else jnp.int32), count)
+
+
+def packed_source(slots, start, count, entry, T: int, S: int):
+    """Where a query reads logical slots `slots` of its packed layout (packed_paths), with
+    `count` visible new slots and entry(j) its packed index j (0 <= j < T): (the cache slot,
+    clipped into the S-slot cache; whether it is seen). Below start the cache as it is; a
+    dropped node's own slot may lie past the cache, and is never seen."""
+    rel = slots - start
+    src = jnp.where(rel < 0, slots, start + entry(jnp.clip(rel, 0, T - 1)))
+    return jnp.minimum(src, S - 1), (rel < count) & (src < S)
+
+
+def packed_view(x, start, paths: PackedPaths):
+    """x [B, KVH, S, D] -> each query's logical view [B, KVH, T, S, D] and seen [B, T, S]:
+    what the kernel reads in deterministic mode, laid out for the XLA reference."""
+    B, T, _ = paths.index.shape
+    S = x.shape[2]
+    index = paths.index.astype(jnp.int32)
+    src, seen = packed_source(
+        jnp.arange(S), start[:, None, None], paths.count[..., None],
+        lambda j: jnp.take_along_axis(index, j, axis=-1), T, S,
+    )  # fmt: skip
+    return jax.vmap(lambda xb, sb: xb[:, sb])(x, src), seen
+
+
+def _merge(o, m, l, in_order: bool):
+    """The split partials o [P, NS, R, dv], m and l [P, NS, R] -> o [P, R, dv] normalised:
+    weights exp(m_i - max m); empty splits (m = -inf) weigh 0, and a row that saw nothing at
+    all (l = 0) comes out as 0 rather than NaN. in_order: add the splits one by one, first
+    to last (XLA's reduction may group them by the array's shape: by T, in a verify)."""
+    big = m.max(axis=1, keepdims=True)
+    w = jnp.exp(m - jnp.where(big == -jnp.inf, 0.0, big))
+    if in_order:
+        den, acc = w[:, 0] * l[:, 0], w[:, 0, :, None] * o[:, 0]
+        for i in range(1, m.shape[1]):
+            den, acc = den + w[:, i] * l[:, i], acc + w[:, i, :, None] * o[:, i]
+    else:
+        den, acc = (w * l).sum(axis=1), (w[..., None] * o).sum(axis=1)
+    return acc / jnp.where(den == 0, 1.0, den)[..., None]
 
 
 def _flash(q, k, v, start, tree, scale, *, G, latent, dv, cfg, interpret):
@@ -166,15 +251,26 @@ def _flash(q, k, v, start, tree, scale, *, G, latent, dv, cfg, interpret):
     B, KVH, R, Dk = q.shape
     S = k.shape[2]
     T = tree.shape[1]
-    bq = cfg.get("block_q") or max(16, min(64, pl.next_power_of_2(R)))
-    bk = cfg.get("block_k") or 64  # on the H200, 1.4-2.3x faster than 16 or 32 for MLA
-    nq = pl.cdiv(R, bq)
-    Rp = nq * bq
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, Rp - R), (0, 0)))
     fixed = cfg.get("fixed_split") or 0
-    if fixed:  # splits of `fixed` blocks from slot 0, no tail program (see `tree_attention`)
-        ns = pl.cdiv(pl.cdiv(S, bk), fixed) - 1
+    bk = cfg.get("block_k") or 64  # on the H200, 1.4-2.3x faster than 16 or 32 for MLA
+    if fixed:
+        # One node's G rows per tile (padded to Gp), a tile size set by G alone: a T = 1
+        # decode and every node of a verify run the same tile over the same key layout.
+        bq = min(cfg.get("block_q") or 64, max(16, pl.next_power_of_2(G)))
+        Gp = pl.cdiv(G, bq) * bq
+        q = jnp.pad(q.reshape(B, KVH, T, G, Dk), ((0, 0),) * 3 + ((0, Gp - G), (0, 0)))
+        q = q.reshape(B, KVH, T * Gp, Dk)
+        paths = packed_paths(tree)
+        ins = [start.astype(jnp.int32), paths.index.reshape(-1), paths.count.reshape(-1)]
+        ns = pl.cdiv(pl.cdiv(S, bk), fixed) - 1  # splits of `fixed` blocks from slot 0
     else:
+        bq = cfg.get("block_q") or max(16, min(64, pl.next_power_of_2(R)))
+        Gp = G
+        ins = [start.astype(jnp.int32), tree.astype(jnp.int8).reshape(-1)]
+    Rp = pl.cdiv(q.shape[2], bq) * bq
+    nq = Rp // bq
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, Rp - q.shape[2]), (0, 0)))
+    if not fixed:
         ns = cfg.get("num_splits") or slot_splits(
             B, KVH, nq, S, bk, programs=cfg.get("programs") or DEFAULT.attention_programs,
             min_blocks=cfg.get("min_split_blocks") or DEFAULT.min_split_blocks(T),
@@ -184,6 +280,7 @@ def _flash(q, k, v, start, tree, scale, *, G, latent, dv, cfg, interpret):
         _kernel,
         T=T,
         G=G,
+        Gp=Gp,
         KVH=KVH,
         parts=parts,
         dv=dv,
@@ -195,9 +292,7 @@ def _flash(q, k, v, start, tree, scale, *, G, latent, dv, cfg, interpret):
         fixed_split=fixed,
         precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
     )
-    ins = [start.astype(jnp.int32), tree.astype(jnp.int8).reshape(-1), q, k]
-    if not latent:
-        ins.append(v)
+    ins += [q, k] if latent else [q, k, v]
     out_shape = [
         jax.ShapeDtypeStruct((B * KVH, ns + 1, Rp, dv), jnp.float32),
         jax.ShapeDtypeStruct((B * KVH, ns + 1, Rp), jnp.float32),
@@ -225,24 +320,19 @@ def _flash(q, k, v, start, tree, scale, *, G, latent, dv, cfg, interpret):
             interpret=jax.default_backend() != "gpu" if interpret is None else interpret,
             name="tree_attention_mla" if latent else "tree_attention_gqa",
         )(*ins)
-    # Merge the split partials: weights exp(m_i - max m); empty splits (m = -inf) weigh 0,
-    # and a row that saw nothing at all (l = 0) comes out as 0 rather than NaN.
-    big = m.max(axis=1, keepdims=True)
-    w = jnp.exp(m - jnp.where(big == -jnp.inf, 0.0, big))
-    den = (w * l).sum(axis=1)
-    o = (w[..., None] * o).sum(axis=1) / jnp.where(den == 0, 1.0, den)[..., None]
-    return o[:, :R].reshape(B, KVH, R, dv)
+    o = _merge(o, m, l, in_order=bool(fixed))
+    return o[:, : T * Gp].reshape(B, KVH, T, Gp, dv)[:, :, :, :G].reshape(B, KVH, R, dv)
 
 
 def tree_attention(q, k, v, start, tree, scale: float, *, interpret: bool | None = None, **cfg):
     """GQA tree attention. q [B, T, H, Dk]; k [B, KVH, S, Dk]; v [B, KVH, S, Dv]; start [B]
     int32; tree [B, T, T] bool. Returns [B, T, H, Dv] in q's dtype. ``cfg``: block_q,
     block_k, num_warps, num_stages (defaults tuned on the H200); num_splits, or the rule's
-    programs and min_split_blocks (default: kdj.kernels.DEFAULT's); or fixed_split=F: every
-    program masks and owns F blocks counted from slot 0, so with a fixed block_q a query's
-    sums run in an order set by its key positions alone, whatever the batch, T or prefix
-    (deterministic mode). interpret: run in Pallas' interpreter (default: everywhere but on a
-    GPU)."""
+    programs and min_split_blocks (default: kdj.kernels.DEFAULT's); or fixed_split=F
+    (deterministic mode): each program owns F blocks counted from slot 0 and one node's query
+    rows, and reads that node's new slots packed (packed_paths), so a node computes exactly
+    what a plain decode of its path computes, whatever the tree, batch, T or prefix.
+    interpret: run in Pallas' interpreter (default: everywhere but on a GPU)."""
     B, T, H, Dk = q.shape
     KVH, Dv = k.shape[1], v.shape[-1]
     G = H // KVH
@@ -265,4 +355,12 @@ def latent_tree_attention(
     return o.reshape(B, T, H, v_dim).astype(q.dtype)
 
 
-__all__ = ["latent_tree_attention", "supported", "tree_attention"]
+__all__ = [
+    "PackedPaths",
+    "latent_tree_attention",
+    "packed_paths",
+    "packed_source",
+    "packed_view",
+    "supported",
+    "tree_attention",
+]
