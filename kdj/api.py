@@ -268,17 +268,17 @@ def execute(target, drafter, batch: Batch, plan: Plan, sampling, calibration, pr
         dcache = init_cache(drafter.cfg.layers, B, S, target.dtype)
         dcache = shard_cache(dcache, drafter.sharding)
     cal, prior = jnp.float32(calibration), jnp.asarray(prior, jnp.float32)
-    exe = target.executables
+    exe, xla = target.executables, target.cfg.kernels.compiler_options()
     t0 = time.perf_counter()
     pre = exe.get(loop.prefill, tg, ts, dg, ds, tokens, lens, tcache, dcache, key, temp, topp,
-                  greedy=plan.greedy)  # fmt: skip
+                  options=xla, greedy=plan.greedy)  # fmt: skip
     # compile the loop for exactly what prefill hands it: XLA may lay a cache out differently
     # from how it was passed in (e.g. a single KV head split by head_dim)
     like = Prefilled(jnp.zeros((B,), jnp.int32), tcache, dcache)
     spec = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), like,
                         pre.output_shardings)  # fmt: skip
     dec = exe.get(loop.decode, tg, ts, dg, ds, spec, max_new, stop, key, temp, topp, cal, prior,
-                  plan=plan)  # fmt: skip
+                  options=xla, plan=plan)  # fmt: skip
     t1 = time.perf_counter()
     first = jax.block_until_ready(pre(ts, ds, tokens, lens, tcache, dcache, key, temp, topp))
     t2 = time.perf_counter()

@@ -29,20 +29,23 @@ class Executables:
         self.capacity = capacity
         self._programs: collections.OrderedDict = collections.OrderedDict()
 
-    def get(self, fn, *args, **static):
-        """The compiled `fn` for these arguments (compiled on first use). Array leaves enter
-        the key by shape, dtype and sharding; everything else (NNX graph definitions, which
-        are pytree structure, and `static`) by value."""
+    def get(self, fn, *args, options: dict | None = None, **static):
+        """The compiled `fn` for these arguments (compiled on first use, with XLA compiler
+        `options`: KernelPolicy.compiler_options). Array leaves enter the key by shape, dtype
+        and sharding; everything else (NNX graph definitions, which are pytree structure,
+        `options` and `static`) by value."""
 
         def sig(x):
             return (x.shape, x.dtype, getattr(x, "sharding", None)) if hasattr(x, "shape") else x
 
         leaves, treedef = jax.tree.flatten(args)
-        key = (fn, treedef, tuple(sig(x) for x in leaves), tuple(sorted(static.items())))
+        options = dict(options or {})
+        key = (fn, treedef, tuple(sig(x) for x in leaves), tuple(sorted(static.items())),
+               tuple(sorted(options.items())))  # fmt: skip
         if key in self._programs:
             self._programs.move_to_end(key)
             return self._programs[key]
-        program = fn.lower(*args, **static).compile()
+        program = fn.lower(*args, **static).compile(options or None)
         self._programs[key] = program
         while len(self._programs) > self.capacity:
             self._programs.popitem(last=False)

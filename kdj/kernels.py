@@ -154,6 +154,12 @@ class KernelPolicy:
     # every row count, so a row's sums run in the same order in a decode and a verify.
     FIXED_TILES = MappingProxyType(dict(block_m=64, block_k=64, block_f=128, num_warps=4))
 
+    def compiler_options(self) -> dict:
+        """XLA options for the programs this policy runs. Deterministic: no excess precision,
+        so every bf16 op rounds as written; with it XLA may keep an intermediate in float32
+        inside a fusion, and which ops fuse depends on the shapes (one token or a verify)."""
+        return {"xla_allow_excess_precision": False} if self.deterministic else {}
+
     def fixed_tiles(self) -> bool:
         """Whether matmuls run with fixed tiles: deterministic, where dense weights take
         Pallas kernels (dense_gemv "pallas": the GPU, unsharded)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import kdj
@@ -235,3 +236,21 @@ def test_bad_deterministic_and_seed_arguments(pair):
         kdj.generate(target, PROMPTS, seed=[1, 2], **kw)
     with pytest.raises(ValueError, match="seed must be >= 0"):
         kdj.generate(target, PROMPTS, seed=-1, **kw)
+
+
+def test_deterministic_programs_round_every_bf16_op_as_written():
+    """XLA may keep a fused bf16 intermediate in float32 (excess precision), and what fuses
+    depends on the shapes: deterministic programs compile without it, so they equal the same
+    ops rounded one by one; with it (the default) the same program rounds differently."""
+    from kdj.handles import Executables
+
+    rng = np.random.default_rng(0)
+    a, b = (jnp.asarray(rng.standard_normal(4096), jnp.bfloat16) for _ in range(2))
+    f = jax.jit(lambda a, b: (a * b + a * 3).astype(jnp.float32))
+    one_by_one = ((a * b) + (a * 3)).astype(jnp.float32)  # eager: each op its own program
+    exe = Executables()
+    det = exe.get(f, a, b, options=KernelPolicy().as_deterministic().compiler_options())
+    default = exe.get(f, a, b, options=KernelPolicy().compiler_options())
+    assert det is not default  # the options are part of the key
+    np.testing.assert_array_equal(det(a, b), one_by_one)
+    assert not np.array_equal(default(a, b), one_by_one)
