@@ -92,7 +92,8 @@ def generate(
     stats["tree_budget"] / stats["menu"] say what ran. Bad arguments raise TypeError or
     ValueError before anything compiles (kdj.arguments); an argument the method does not use
     is refused, not ignored. With more prompts than `max_batch`, the prompts stream through a
-    pool of max_batch slots (kdj/decode/engine.py; auto's menu priced for a full pool):
+    pool of max_batch slots (kdj/decode/engine.py, at the smallest of its compiled widths that
+    holds the live slots; auto's menu priced at each width):
     each prompt's result is what it gets alone (greedy: the same tokens; stats
     ["request_steps"] and "mean_acceptance" from each prompt's own steps).
 
@@ -299,7 +300,7 @@ def stream_seeds(seed, B: int) -> dict:
 def pool_drafting(opts: Options, target, drafter, max_batch: int, cache_size: int,
                   context: float, cost=None, widths=None) -> dict:  # fmt: skip
     """The engine's drafting arguments (kdj/decode/engine.py `Engine`) for checked options:
-    auto's menu priced at each width of the pool's ladder (`widths`, engine's default) at
+    auto's menu priced at each width of the pool's ladder (`widths` as the engine takes it) at
     `context` (every step runs all rows of its width; the menu decides the compiled shapes);
     none when plain decoding is what runs at every width."""
     if opts.method == "ar":
@@ -309,7 +310,7 @@ def pool_drafting(opts: Options, target, drafter, max_batch: int, cache_size: in
     priced = {w: priced_menu(shapes, target, drafter, w, context, cost) for w in ladder}
     if all(s.kind == "none" for menu, _ in priced.values() for s in menu):
         return {}
-    return {"drafter": drafter, "block_size": opts.block_size, "widths": ladder,
+    return {"drafter": drafter, "block_size": opts.block_size,
             "menu": {w: menu for w, (menu, _) in priced.items()},
             "cost": {w: c for w, (_, c) in priced.items()},
             "calibration": opts.calibration}  # fmt: skip
