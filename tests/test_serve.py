@@ -406,6 +406,7 @@ def test_disconnect_mid_stream_frees_the_slot(chat_target, server):
         time.sleep(0.05)
     health = httpx.get(server + "/health").json()
     assert health["in_flight"] == 0 and health["cancelled"] == cancelled + 1  # not run out
+    assert health["width"] in (1, 4) and health["slots"] == 4  # the ladder of a pool of 4
     reply = httpx.post(server + "/v1/completions", json={"prompt": "ok", "max_tokens": 3})
     assert reply.status_code == 200
 

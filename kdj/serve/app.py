@@ -39,7 +39,9 @@ def build_app(worker: Worker, served: Served) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "in_flight": worker.in_flight, "slots": worker.engine.B,
+        engine = worker.engine  # width: the compiled width the pool runs at now
+        return {"status": "ok", "in_flight": worker.in_flight, "slots": engine.B,
+                "width": engine.width, "resizes": engine.resizes,
                 "cancelled": worker.cancelled}  # fmt: skip
 
     @app.get("/v1/models")
