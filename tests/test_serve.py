@@ -148,6 +148,7 @@ def test_pool_auto_token_identical(pair):
     assert out.tokens == alone == ar.tokens
     assert out.stats["method"] == "auto" and out.stats["mean_acceptance"] > 1
     assert out.stats["menu"][0] == "none" and len(out.stats["menu"]) > 1
+    assert list(out.stats["menus"]) == [1, 2]  # priced at each width of the pool's ladder
     with pytest.raises(ValueError, match="needs a draft shape"):
         Engine(target, 2, 64, 8, drafter=drafter, menu=(DraftShape("none"),))
 
