@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import kdj
+from kdj.cost import StepCost
 from kdj.decode import auto, widths
 from kdj.decode.engine import Engine, Request
 from kdj.decode.tree import DraftShape
@@ -248,3 +249,27 @@ def test_a_full_pool_never_resizes(pair):
     while len(engine.waiting) > 0:
         engine.step()
     assert set(engine.chunk_widths) == {4} and engine.resizes == 0
+
+
+def test_auto_is_priced_at_each_width(pair):
+    """Steps whose cost grows with their rows (each verified token-row a tenth of a plain
+    step's fixed cost): at width 1 drafting pays and stays on the menu, at 8 nothing but
+    "none" would; that width keeps the cheapest draft shape so its slots keep the drafter's
+    context (auto there skips the drafter unless the slots' forecasts say it pays)."""
+    target, drafter = pair
+    drafter = dataclasses.replace(drafter, prior_acceptance=2.0)
+    base = StepCost.for_config(target.cfg)
+    row = base.flops_per_token + 16 * base.attn_flops_per_context  # a token-row's flops
+    cost = dataclasses.replace(base, fixed_s=1.0, per_byte_s=0.0, per_flop_s=0.1 / row,
+                               draft_bytes=1.0, draft_fixed_frac=0.0, draft_flops_per_seq=0.0,
+                               draft_fixed_s=0.05)  # fmt: skip
+    menu = ["none", "chain", "tree12"]
+    opts = kdj.api.check_options(target, drafter, "auto", None, None, menu, None, 0.0, 1.0, None)
+    drafting = kdj.api.pool_drafting(opts, target, drafter, 8, 64, 10.0, cost, widths=LADDER)
+    menus = drafting["menu"]
+    assert list(menus) == list(LADDER)
+    assert menus[1] == (DraftShape("none"), DraftShape("chain", 5))  # tree12 never pays
+    assert menus[8] == (DraftShape("none"),)
+    engine = Engine(target, 8, 64, 23, widths=LADDER, **drafting)
+    assert engine.plans[8].menu == (DraftShape("none"), DraftShape("chain", 5))
+    assert engine.plans[1].menu == menus[1] and engine.method == "auto"
