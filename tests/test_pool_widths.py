@@ -184,10 +184,12 @@ def greedy_alone(pair):
 
 
 @pytest.mark.parametrize("method", ["ar", "dflash", "ddtree", "auto"])
-def test_rising_and_falling_load_token_identical(pair, greedy_alone, method):
-    """Greedy AR, DFlash, DDTree and auto (per-width menus) through a pool of 8 at widths
-    1/2/4/8 whose load rises and falls: every prompt's tokens are what it gets alone, the
-    pool grew and shrank several times, and ran at every width."""
+def test_rising_and_falling_load_token_identical(pair, greedy_alone, method, request):
+    """Greedy AR, DFlash, DDTree and auto through a pool of 8 at widths 1/2/4/8 whose load
+    rises and falls: every prompt's tokens are what it gets alone, the pool grew and shrank
+    several times, and ran at every width. auto has a menu of its own at each width (8: none
+    but "none") and its choices scrambled (every entry, and runs that skip the drafter), so
+    resizes move forecasts between menus mid-run."""
     target, drafter = pair
     prompts, budgets, sizes, gaps = waves()
     kw = {}
@@ -198,28 +200,13 @@ def test_rising_and_falling_load_token_identical(pair, greedy_alone, method):
                       2: auto.parse_menu("auto", ["none", "chain2", "tree3"], 6, None),
                       4: auto.parse_menu("auto", ["none", "chain"], 6, None),
                       8: (DraftShape("none"),)}  # fmt: skip
+        request.getfixturevalue("switching")
     engine = Engine(target, 8, 64, 23, chunk_steps=3, widths=LADDER, **kw)
     assert drive(engine, prompts, budgets, sizes, gaps) == greedy_alone
     grows, shrinks = moves(engine.chunk_widths)
     assert grows >= 2 and shrinks >= 2 and engine.resizes >= grows + shrinks
     assert set(engine.chunk_widths) == set(LADDER)
     assert engine.method == method
-
-
-@pytest.mark.usefixtures("switching")
-def test_rising_and_falling_load_auto_switching(pair, greedy_alone):
-    """auto with its choices scrambled (every entry of each width's menu, and runs that
-    skip the drafter): still each prompt's greedy tokens, across resizes between menus."""
-    target, drafter = pair
-    prompts, budgets, sizes, gaps = waves()
-    menus = {1: auto.parse_menu("auto", ["none", "chain", "tree12"], 6, None),
-             2: auto.parse_menu("auto", ["none", "chain2", "tree3"], 6, None),
-             4: auto.parse_menu("auto", ["none", "tree3", "chain"], 6, None),
-             8: auto.parse_menu("auto", ["none", "chain"], 6, None)}  # fmt: skip
-    engine = Engine(target, 8, 64, 23, chunk_steps=3, widths=LADDER, drafter=drafter,
-                    menu=menus)  # fmt: skip
-    assert drive(engine, prompts, budgets, sizes, gaps) == greedy_alone
-    assert min(moves(engine.chunk_widths)) >= 2
 
 
 def test_rising_and_falling_load_sampled_dflash_as_alone(pair):
