@@ -21,6 +21,7 @@ from kdj.decode import auto, engine, loop, tune
 from kdj.decode.sampling import request_keys
 from kdj.decode.state import Plan, Prefilled
 from kdj.decode.tree import DraftShape
+from kdj.decode.widths import ladder as widths_ladder
 from kdj.handles import Drafter, Target, check_pair
 from kdj.models.transformer import full_sequence
 from kdj.report import decode_stats, speculative_stats
@@ -91,7 +92,8 @@ def generate(
     stats["tree_budget"] / stats["menu"] say what ran. Bad arguments raise TypeError or
     ValueError before anything compiles (kdj.arguments); an argument the method does not use
     is refused, not ignored. With more prompts than `max_batch`, the prompts stream through a
-    pool of max_batch slots (kdj/decode/engine.py; auto's menu priced for a full pool):
+    pool of max_batch slots (kdj/decode/engine.py, at the smallest of its compiled widths that
+    holds the live slots; auto's menu priced at each width):
     each prompt's result is what it gets alone (greedy: the same tokens; stats
     ["request_steps"] and "mean_acceptance" from each prompt's own steps).
 
@@ -296,17 +298,21 @@ def stream_seeds(seed, B: int) -> dict:
 
 
 def pool_drafting(opts: Options, target, drafter, max_batch: int, cache_size: int,
-                  context: float, cost=None) -> dict:  # fmt: skip
+                  context: float, cost=None, widths=None) -> dict:  # fmt: skip
     """The engine's drafting arguments (kdj/decode/engine.py `Engine`) for checked options:
-    auto's menu priced for a full pool of max_batch rows at `context` (every step runs all
-    of them; the menu decides the compiled shapes); none when plain decoding is what runs."""
+    auto's menu priced at each width of the pool's ladder (`widths` as the engine takes it) at
+    `context` (every step runs all rows of its width; the menu decides the compiled shapes);
+    none when plain decoding is what runs at every width."""
     if opts.method == "ar":
         return {}
     shapes = arguments.cap_trees(opts.shapes, arguments.tree_cap(cache_size, [1]))
-    shapes, cost = priced_menu(shapes, target, drafter, max_batch, context, cost)
-    if all(s.kind == "none" for s in shapes):
+    ladder = widths_ladder(max_batch, widths)
+    priced = {w: priced_menu(shapes, target, drafter, w, context, cost) for w in ladder}
+    if all(s.kind == "none" for menu, _ in priced.values() for s in menu):
         return {}
-    return {"drafter": drafter, "block_size": opts.block_size, "menu": shapes, "cost": cost,
+    return {"drafter": drafter, "block_size": opts.block_size,
+            "menu": {w: menu for w, (menu, _) in priced.items()},
+            "cost": {w: c for w, (_, c) in priced.items()},
             "calibration": opts.calibration}  # fmt: skip
 
 
@@ -330,8 +336,10 @@ def stream(opts: Options, target, drafter, batch: Batch, max_batch, temperature,
              "seconds": time.perf_counter() - t0, "request_steps": res.steps,
              # tokens per step of every prompt's steps: the first token came from prefill
              "mean_acceptance": (new - B) / steps if steps else float("nan")}  # fmt: skip
-    if opts.method == "auto":  # what the pool's menu kept
-        stats["menu"] = [str(s) for s in drafting.get("menu", (DraftShape("none"),))]
+    if opts.method == "auto":  # what the pool's menu kept at its full width, and at each
+        menus = drafting.get("menu", {max_batch: (DraftShape("none"),)})
+        stats["menu"] = [str(s) for s in menus[max_batch]]
+        stats["menus"] = {w: [str(s) for s in m] for w, m in menus.items()}
     return GenerateOutput(tokens=toks, texts=texts, stats=stats)
 
 

@@ -116,7 +116,7 @@ def cmd_serve(args) -> int:
                    max_batch=args.max_batch, context=args.context,
                    max_tokens=dec["max_new_tokens"], max_queue=args.max_queue,
                    chunk_steps=args.chunk_steps, temperature=dec["temperature"],
-                   top_p=dec["top_p"], seed=dec["seed"])  # fmt: skip
+                   top_p=dec["top_p"], seed=dec["seed"], widths=args.widths)  # fmt: skip
     # SIGTERM: uvicorn stops accepting, lets in-flight requests finish for up to
     # --grace seconds, then the app's shutdown cancels the rest
     uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace)
@@ -340,6 +340,9 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--max-queue", type=int, default=64, help="waiting requests (default: 64)")
     v.add_argument("--chunk-steps", type=int, default=16,
                    help="device steps between host turns (default: 16)")  # fmt: skip
+    v.add_argument("--widths", type=int, nargs="+",
+                   help="compiled widths the pool runs at, ending at --max-batch (default: "
+                   "1 4 16 ... below it; --widths N with N = --max-batch: one width)")  # fmt: skip
     v.add_argument("--grace", type=int, default=30, help="SIGTERM grace seconds (default: 30)")
     v.set_defaults(fn=cmd_serve)
 

@@ -148,6 +148,7 @@ def test_pool_auto_token_identical(pair):
     assert out.tokens == alone == ar.tokens
     assert out.stats["method"] == "auto" and out.stats["mean_acceptance"] > 1
     assert out.stats["menu"][0] == "none" and len(out.stats["menu"]) > 1
+    assert list(out.stats["menus"]) == [1, 2]  # priced at each width of the pool's ladder
     with pytest.raises(ValueError, match="needs a draft shape"):
         Engine(target, 2, 64, 8, drafter=drafter, menu=(DraftShape("none"),))
 
@@ -406,6 +407,7 @@ def test_disconnect_mid_stream_frees_the_slot(chat_target, server):
         time.sleep(0.05)
     health = httpx.get(server + "/health").json()
     assert health["in_flight"] == 0 and health["cancelled"] == cancelled + 1  # not run out
+    assert health["width"] in (1, 4) and health["slots"] == 4  # the ladder of a pool of 4
     reply = httpx.post(server + "/v1/completions", json={"prompt": "ok", "max_tokens": 3})
     assert reply.status_code == 200
 

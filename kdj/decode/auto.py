@@ -233,7 +233,7 @@ class Controller:
     drafting: jax.Array  # [] bool the draft-or-skip state (HYSTERESIS)
 
 
-def _fresh_rows(plan, prior, B: int):
+def fresh_rows(plan, prior, B: int):
     """(trend [S, B], drafts [B], known []) before any draft: each entry expected to commit
     its `prior` tokens per step (1 when unknown)."""
     S = len(plan.menu)
@@ -248,7 +248,7 @@ def init_controller(plan, prior, lengths, active) -> Controller:
     """Before any draft each entry is expected to commit its `prior` tokens per step (1 when
     unknown, and then the first step drafts to find out)."""
     B = lengths.shape[0]
-    gains, drafts, known = _fresh_rows(plan, prior, B)
+    gains, drafts, known = fresh_rows(plan, prior, B)
     wait, doubt = jnp.int32(0), jnp.bool_(False)
     if plan.can_skip:
         context = mean_context(lengths, active)
@@ -271,7 +271,7 @@ def admit(ctrl: Controller, plan, prior, rows, lengths, active) -> Controller:
     drafter starts drafting now when the live slots' forecasts say it pays (or a newcomer's
     prior is unknown: its first step drafts to find out); else its plain run goes on to the
     probe already due. An idle pool's newcomers start as a run of their own would."""
-    gains, drafts, known = _fresh_rows(plan, prior, rows.shape[0])
+    gains, drafts, known = fresh_rows(plan, prior, rows.shape[0])
     ctrl = dataclasses.replace(
         ctrl, trend=jnp.where(rows[None], gains, ctrl.trend),
         drafts=jnp.where(rows, drafts, ctrl.drafts), hits=jnp.where(rows[None], 0.0, ctrl.hits),
@@ -328,3 +328,27 @@ def draft_due(ctrl: Controller):
 def skipped(ctrl: Controller) -> Controller:
     """Count a plain step of a run."""
     return dataclasses.replace(ctrl, since=ctrl.since + 1, left=ctrl.left - 1)
+
+
+def remenu(ctrl: Controller, menu, plan, prior) -> Controller:
+    """Per-slot forecasts [S, B] re-indexed from the entries of `menu` to plan's menu (a pool
+    moved to a width whose priced menu differs): an entry on both keeps each slot's forecast;
+    one new to the slots starts from its prior (prior [len(plan.menu)]), as a newcomer's."""
+    fresh, _, _ = fresh_rows(plan, prior, ctrl.trend.shape[1])
+    rows = [ctrl.trend[menu.index(s)] if s in menu else fresh[i]
+            for i, s in enumerate(plan.menu)]  # fmt: skip
+    return dataclasses.replace(ctrl, trend=jnp.stack(rows))
+
+
+def rewidth(ctrl: Controller, plan, lengths, active) -> Controller:
+    """The draft-or-skip state decided anew for a pool moved to another width (steps are
+    priced at the compiled width): drafting when the live slots' forecasts say it pays there,
+    or a live slot has none yet (unknown priors: its first step drafts to find out); else a
+    plain run until a probe."""
+    context = mean_context(lengths, active)
+    pays = drafting_pays(plan.menu, ctrl.trend, active, plan.cost, context)
+    drafting = pays | jnp.any(active & (ctrl.drafts == 0))
+    later = probe_wait(plan.menu, plan.cost, active.shape[0], context, 0)
+    wait = jnp.where(drafting, PROBE_MIN, later).astype(jnp.int32)
+    return dataclasses.replace(ctrl, drafting=drafting, wait=wait, since=jnp.int32(0),
+                               left=jnp.int32(0))  # fmt: skip

@@ -12,11 +12,17 @@
     the new tokens
 
 Finished and free slots ride along without advancing (`done`), as in kdj/decode/loop.py.
-A newcomer's prefill stalls the running slots for one prefill call of at most B rows of
-the longest waiting prompt; a slot finishing wakes the host, so a free slot waits at most one
-chunk. AR, DFlash, DDTree and auto run on the pool; auto's menu is fixed when the engine is
-built (it decides the compiled shapes), its forecasts are per slot (reset on admission), and
-its draft-or-skip decision is the batch's, re-made at each admission and drafted step.
+Since a step computes every row of its compiled width, the pool runs at the smallest width
+of a ladder (`widths`, default 1, 4, 16, 64, ... up to max_batch; kdj/decode/widths.py)
+that holds its live slots and the requests that may join them: between chunks the host
+packs the live rows into a narrower pool, or spreads them into a wider one before admitting
+(one gather program per pair of widths). A pool that stays full never moves.
+A newcomer's prefill stalls the running slots for one prefill call of at most the pool's
+width of rows of the longest waiting prompt; a slot finishing wakes the host, so a free slot
+waits at most one chunk. AR, DFlash, DDTree and auto run on the pool; auto's menu is priced
+per width when the engine is built (it decides each width's compiled shapes), its forecasts
+are per slot (reset on admission, moved with their slot), and its draft-or-skip decision is
+the batch's, re-made at each admission, resize and drafted step.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -34,7 +41,10 @@ from kdj.decode import auto, pool
 from kdj.decode.pool import STOP_WIDTH
 from kdj.decode.state import Plan
 from kdj.decode.tree import DraftShape
+from kdj.decode.widths import batch_axes, fitting, ladder, resize
 from kdj.handles import Drafter, Target, check_pair
+
+HISTORY = 4096  # chunks whose width the engine remembers (chunk_widths)
 
 
 @dataclasses.dataclass
@@ -82,60 +92,94 @@ class Engine:
     at its own temperature; the pool switches mode when it drains. A request's token at
     position p is sampled with a key from (its seed, p), so its samples do not depend on its
     neighbours; without a seed of its own it gets one from `seed` and its id. Not
-    thread-safe: one thread drives `step`."""
+    thread-safe: one thread drives `step`.
+    widths: the ladder of compiled widths (ascending, ending at max_batch; default powers of
+    4 below it); `menu` and `cost` may then be one per width (a mapping width -> value).
+    What ran: `width` (now), `chunk_widths` (each recent chunk's width), `resizes`."""
 
     def __init__(self, target: Target, max_batch: int, cache_size: int, max_new_cap: int,
                  *, drafter: Drafter | None = None, block_size: int | None = None,
-                 menu: tuple[DraftShape, ...] = (), cost=None, calibration: float = 1.0,
-                 chunk_steps: int = 32, seed: int = 0):  # fmt: skip
+                 menu: tuple[DraftShape, ...] | Mapping[int, tuple[DraftShape, ...]] = (),
+                 cost=None, calibration: float = 1.0, chunk_steps: int = 32, seed: int = 0,
+                 widths: tuple[int, ...] | None = None):  # fmt: skip
         if max_batch < 1 or cache_size < 2 or max_new_cap < 1 or chunk_steps < 1:
             raise ValueError("max_batch, max_new_cap, chunk_steps >= 1 and cache_size >= 2")
         if target.sharding is not None:
             raise ValueError("the serving engine runs on one device (target has a mesh)")
-        self.plan = Plan(True, max_new_cap)  # greedy: the running mode's, set per chunk
-        self.prior = jnp.zeros((1,), jnp.float32)  # auto's per-entry priors (unused else)
+        self.widths = ladder(max_batch, widths)
         self.calibration = 1.0
         if drafter is not None:
-            if not menu or all(m.kind == "none" for m in menu):
-                names = [str(m) for m in menu]
-                raise ValueError(f"a drafting pool needs a draft shape on its menu, got {names} "
-                                 "(plain decoding: no drafter)")  # fmt: skip
             if drafter.sharding is not None:
                 raise ValueError("the serving engine runs on one device (drafter has a mesh)")
             block_size = check_pair(target, drafter, block_size)
             drafter = drafter.with_kernels(target.cfg.kernels)  # it follows its target's policy
-            # no step verifies more nodes than a cache holds after a one-token prompt
-            menu = arguments.cap_trees(menu, arguments.tree_cap(cache_size, [1]))
-            cost = auto.step_cost(cost, target, drafter) if len(menu) > 1 else None
-            self.plan = Plan(True, max_new_cap, block_size, menu, cost)
-            if self.plan.adaptive:
-                self.prior = jnp.asarray(auto.priors(menu, drafter), jnp.float32)
-                self.calibration = float(calibration)
+            self.calibration = float(calibration)
         elif block_size is not None or menu or cost is not None:
             raise ValueError("block_size, menu and cost need a drafter")
         self.target, self.drafter = target, drafter
         self.B, self.S, self.N = max_batch, cache_size, max_new_cap
+        self.plans = {w: Plan(True, max_new_cap) for w in self.widths}  # greedy: set per chunk
+        self.priors = {w: jnp.zeros((1,), jnp.float32) for w in self.widths}  # auto's, per entry
+        if drafter is not None:
+            self._drafting_plans(drafter, block_size, menu, cost)
         self.greedy, self.chunk_steps = True, chunk_steps
         self.seed = seed
         self.waiting: collections.deque[Request] = collections.deque()
-        self.slots: list[Request | None] = [None] * max_batch
-        self.sent = [0] * max_batch  # tokens of each slot's request handed out so far
+        self.width = self.widths[0]  # the width the pool runs at now
+        self.slots: list[Request | None] = [None] * self.width
+        self.sent = [0] * self.width  # tokens of each slot's request handed out so far
         self.cancelled: set[int] = set()
         self._ids = itertools.count()
-        self.pool = self._empty()
+        self._axes: dict[int, tuple] = {}  # each width's slot axes (widths.batch_axes)
+        self.chunk_widths: collections.deque[int] = collections.deque(maxlen=HISTORY)
+        self.resizes = 0
+        self.pool = self._empty(self.width)
+
+    def _drafting_plans(self, drafter, block_size, menu, cost) -> None:
+        """Each width's Plan and priors: `menu` and `cost` one for every width, or one per
+        width (kdj.api's `pool_drafting` prices auto's menu at each). A width whose menu has
+        no draft shape left keeps the cheapest draft shape of the others: the pool's state
+        keeps the drafter's context at every width, so its slots can draft once the pool
+        shrinks to a width where drafting pays (auto there probes rarely, PROBE_BUDGET)."""
+        menus = menu if isinstance(menu, Mapping) else dict.fromkeys(self.widths, menu)
+        costs = cost if isinstance(cost, Mapping) else dict.fromkeys(self.widths, cost)
+        if set(menus) != set(self.widths) or set(costs) != set(self.widths):
+            raise ValueError(f"menu and cost need one entry per width {list(self.widths)}")
+        # no step verifies more nodes than a cache holds after a one-token prompt
+        cap = arguments.tree_cap(self.S, [1])
+        menus = {w: arguments.cap_trees(tuple(m), cap) for w, m in menus.items()}
+        shapes = [s for m in menus.values() for s in m if s.kind != "none"]
+        if not shapes:
+            names = sorted({str(s) for m in menus.values() for s in m})
+            raise ValueError(f"a drafting pool needs a draft shape on its menu, got {names} "
+                             "(plain decoding: no drafter)")  # fmt: skip
+        cheapest = min(shapes, key=lambda s: s.size)
+        for w, m in menus.items():
+            if all(s.kind == "none" for s in m):
+                m = (*m, cheapest)
+            step_cost = auto.step_cost(costs[w], self.target, drafter) if len(m) > 1 else None
+            self.plans[w] = Plan(True, self.N, block_size, m, step_cost)
+            if self.plans[w].adaptive:
+                self.priors[w] = jnp.asarray(auto.priors(m, drafter), jnp.float32)
+
+    @property
+    def plan(self) -> Plan:
+        """The plan of the width the pool runs at now."""
+        return self.plans[self.width]
 
     @property
     def method(self) -> str:
         """What the pool runs: "ar", "dflash" (a chain), "ddtree" (a tree) or "auto"."""
-        if not self.plan.speculative:
+        plan = self.plans[self.B]
+        if not plan.speculative:
             return "ar"
-        if self.plan.adaptive:
+        if plan.adaptive:
             return "auto"
-        return "dflash" if self.plan.menu[0].kind == "chain" else "ddtree"
+        return "dflash" if plan.menu[0].kind == "chain" else "ddtree"
 
-    def _empty(self) -> pool.Pool:
-        return pool.empty(self.target, self.drafter, self.plan, self.B, self.S,
-                          self.calibration, self.prior)  # fmt: skip
+    def _empty(self, width: int) -> pool.Pool:
+        return pool.empty(self.target, self.drafter, self.plans[width], width, self.S,
+                          self.calibration, self.priors[width])  # fmt: skip
 
     def _graphs(self) -> tuple:
         """(tgraph, tstate, dgraph, dstate): the programs' model arguments."""
@@ -171,9 +215,9 @@ class Engine:
         """Drop every request (after a failed step); returns the ids dropped."""
         ids = [r.id for r in self.waiting] + [r.id for r in self.slots if r is not None]
         self.waiting.clear()
-        self.slots = [None] * self.B
+        self.slots, self.sent = [None] * self.width, [0] * self.width
         self.cancelled.clear()
-        self.pool = self._empty()
+        self.pool = self._empty(self.width)
         return ids
 
     @property
@@ -184,8 +228,10 @@ class Engine:
     def step(self) -> list[Update]:
         """Retire cancelled slots, admit, run one chunk on the device, hand out new tokens."""
         updates = self._drop_cancelled()
+        self._fit()
         self._admit()
         if any(r is not None for r in self.slots):
+            self.chunk_widths.append(self.width)
             tg, ts, dg, ds = self._graphs()
             plan = dataclasses.replace(self.plan, greedy=self.greedy)
             fn = self.target.executables.get(pool.chunk, tg, ts, dg, ds, self.pool,
@@ -211,24 +257,60 @@ class Engine:
         self.cancelled.clear()
         return updates
 
-    def _admit(self) -> None:
-        """Fill free slots from the head of the queue with requests of the pool's mode (FIFO:
-        a request of another mode waits for the pool to drain, so none starves)."""
-        free = [b for b, r in enumerate(self.slots) if r is None]
-        if not free or not self.waiting:
-            return
+    def _admissible(self) -> list[Request]:
+        """The head of the queue that may join the running slots: requests of the pool's mode
+        (FIFO: a request of another mode waits for the pool to drain, so none starves)."""
         running = [r for r in self.slots if r is not None]
+        if not self.waiting:
+            return []
         mode = mode_of(running[0] if running else self.waiting[0])
-        take = []
-        while self.waiting and len(take) < len(free) and mode_of(self.waiting[0]) == mode:
-            take.append(self.waiting.popleft())
+        head = itertools.takewhile(lambda r: mode_of(r) == mode, self.waiting)
+        return list(itertools.islice(head, self.B - len(running)))
+
+    def _fit(self) -> None:
+        """Move the pool to the smallest width that holds its live slots and the requests that
+        may join them: their rows packed first, in order (widths.resize). A pool that stays
+        full, or idle, stays put."""
+        live = [b for b, r in enumerate(self.slots) if r is not None]
+        width = fitting(self.widths, len(live) + len(self._admissible()))
+        if width == self.width or not (live or self.waiting):
+            return
+        if live:
+            rows = jnp.asarray(live + [-1] * (width - len(live)), jnp.int32)
+            args = (self.pool, self._empty(width), rows, self.priors[width])
+            fn = self.target.executables.get(resize, *args, axes=self._slot_axes(width),
+                                             src=self.plan, dst=self.plans[width])  # fmt: skip
+            self.pool = fn(*args)
+            self.resizes += 1
+        else:
+            self.pool = self._empty(width)
+        pad = [None] * (width - len(live))
+        self.slots = [self.slots[b] for b in live] + pad
+        self.sent = [self.sent[b] for b in live] + [0] * len(pad)
+        self.width = width
+
+    def _slot_axes(self, width: int) -> tuple:
+        if width not in self._axes:
+            self._axes[width] = batch_axes(lambda n: pool.empty(
+                self.target, self.drafter, self.plans[width], n, self.S, self.calibration,
+                self.priors[width]))  # fmt: skip
+        return self._axes[width]
+
+    def _admit(self) -> None:
+        """Fill free slots with the admissible head of the queue."""
+        free = [b for b, r in enumerate(self.slots) if r is None]
+        take = self._admissible()[: len(free)]
         if not take:
             return
+        for _ in take:
+            self.waiting.popleft()
+        mode = mode_of(take[0])
         self.greedy = mode.greedy
-        A = min(1 << (len(take) - 1).bit_length(), self.B)  # bucket: powers of two
+        W = self.width
+        A = min(1 << (len(take) - 1).bit_length(), W)  # bucket: powers of two
         P = min(-(-max(len(r.tokens) for r in take) // 16) * 16, self.S)
         tokens = np.zeros((A, P), np.int32)
-        lens, slots = np.ones(A, np.int32), np.full(A, self.B, np.int32)
+        lens, slots = np.ones(A, np.int32), np.full(A, W, np.int32)
         max_new, temps = np.ones(A, np.int32), np.ones(A, np.float32)
         seeds = np.zeros(A, np.uint32)
         stop = np.full((A, STOP_WIDTH), -1, np.int32)
@@ -243,7 +325,7 @@ class Engine:
         tg, ts, dg, ds = self._graphs()
         args = (self.pool._replace(state=state),
                 *map(jnp.asarray, (tokens, lens, slots, max_new, stop, temps, seeds)),
-                self.prior)  # fmt: skip
+                self.priors[W])  # fmt: skip
         plan = dataclasses.replace(self.plan, greedy=self.greedy)
         fn = self.target.executables.get(pool.admit, tg, ts, dg, ds, *args, plan=plan)
         self.pool = fn(ts, ds, *args)
@@ -277,13 +359,13 @@ def generate_stream(target: Target, prompts: list[list[int]], max_batch: int, ma
                     top_p: float = 1.0, seed: int = 0, seeds: list[int] | None = None,
                     chunk_steps: int = 32, drafter: Drafter | None = None,
                     block_size: int | None = None, menu: tuple[DraftShape, ...] = (),
-                    cost=None, calibration: float = 1.0) -> Streamed:  # fmt: skip
+                    cost=None, calibration: float = 1.0, widths=None) -> Streamed:  # fmt: skip
     """Every prompt (token ids) streamed through a pool of `max_batch` slots (drafting with
-    `drafter` as `Engine` does). seeds: one per prompt (its samples then do not depend on the
-    other prompts); else each is derived from `seed`."""
+    `drafter`, at the ladder `widths`, as `Engine` does). seeds: one per prompt (its
+    samples then do not depend on the other prompts); else each is derived from `seed`."""
     engine = Engine(target, max_batch, cache_size, max(max_new), drafter=drafter,
                     block_size=block_size, menu=menu, cost=cost, calibration=calibration,
-                    chunk_steps=chunk_steps, seed=seed)  # fmt: skip
+                    chunk_steps=chunk_steps, seed=seed, widths=widths)  # fmt: skip
     seeds = seeds if seeds is not None else [None] * len(prompts)
     ids = [engine.submit(Request(list(p), m, list(s), temperature, top_p, seed))
            for p, m, s, seed in zip(prompts, max_new, stop, seeds)]  # fmt: skip

@@ -11,9 +11,10 @@
 `Pool` carries, beside the DecodeState, each slot's steps since admission: a request's tokens
 per step, (tokens - 1) / steps (the first token comes from prefill). method="auto" keeps its
 controller's forecasts per slot (kdj/decode/auto.py `Controller`): admission resets a slot's
-to the calibrated priors. Its steps are priced at the pool's B rows, whatever the number of
-live slots (free and finished slots ride along, so a step costs what a step of B rows
-costs), and they earn what the live slots' forecasts add up to (`auto.choose` and
+to the calibrated priors. Its steps are priced at the pool's B rows (its compiled width:
+the engine keeps B near the live slots, kdj/decode/widths.py), whatever the number of live
+slots (free and finished slots ride along, so a step costs what a step of B rows costs),
+and they earn what the live slots' forecasts add up to (`auto.choose` and
 `auto.drafting_pays` count active rows only). The state's step-indexed
 `Stats` are not read here: the pool's step count grows without bound, and their writes past
 `plan.max_steps` are dropped, so they stay one fixed buffer.

@@ -39,7 +39,9 @@ def build_app(worker: Worker, served: Served) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "in_flight": worker.in_flight, "slots": worker.engine.B,
+        engine = worker.engine  # width: the compiled width the pool runs at now
+        return {"status": "ok", "in_flight": worker.in_flight, "slots": engine.B,
+                "width": engine.width, "resizes": engine.resizes,
                 "cancelled": worker.cancelled}  # fmt: skip
 
     @app.get("/v1/models")
@@ -173,13 +175,14 @@ class Reply:
 def make_app(target, name: str, *, drafter=None, method: str = "ar", block_size=None,
              tree_budget=None, max_batch: int = 8, context: int = 2048, max_tokens: int = 256,
              max_queue: int = 64, chunk_steps: int = 16, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0) -> FastAPI:  # fmt: skip
+             top_p: float = 1.0, seed: int = 0, widths=None) -> FastAPI:  # fmt: skip
     """The app serving `target` (a kdj.Target with a tokenizer) as model `name`: a pool of
     max_batch slots of `context` tokens each, up to max_queue requests waiting;
-    max_tokens / temperature / top_p are the defaults of a request that gives none. With a
+    max_tokens / temperature / top_p are the defaults of a request that gives none; widths:
+    the pool's ladder of compiled widths (kdj/decode/engine.py `Engine`). With a
     `drafter`, method "dflash", "ddtree" or "auto" (block_size, tree_budget as kdj.generate
-    takes them) decodes speculatively in the pool; auto's default menu is priced once, for
-    a full pool at half a slot's context (requests' lengths are not known yet)."""
+    takes them) decodes speculatively in the pool; auto's default menu is priced once per
+    width of the ladder, at half a slot's context (requests' lengths are not known yet)."""
     if target.tokenizer is None:
         raise ValueError("serving needs the target's tokenizer (this target has none)")
     opts = api.check_options(target, drafter, method, block_size, tree_budget, None, None,
@@ -187,8 +190,9 @@ def make_app(target, name: str, *, drafter=None, method: str = "ar", block_size=
     tok = target.tokenizer
     stop_ids = tuple(sorted(tok.stop_ids or target.cfg.eos_token_ids))
     cap = min(max_tokens, context - 1)
-    drafting = api.pool_drafting(opts, target, drafter, max_batch, context, context / 2)
+    drafting = api.pool_drafting(opts, target, drafter, max_batch, context, context / 2,
+                                 widths=widths)  # fmt: skip
     engine = Engine(target, max_batch, context, context - 1, chunk_steps=chunk_steps, seed=seed,
-                    **drafting)  # fmt: skip
+                    widths=widths, **drafting)  # fmt: skip
     served = Served(name, tok, stop_ids, cap, temperature, top_p, engine.method)
     return build_app(Worker(engine, max_queue), served)
