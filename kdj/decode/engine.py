@@ -181,6 +181,12 @@ class Engine:
         return pool.empty(self.target, self.drafter, self.plans[width], width, self.S,
                           self.calibration, self.priors[width])  # fmt: skip
 
+    @property
+    def _xla(self) -> dict:
+        """The compiler options of the target's kernel policy (deterministic: no excess
+        precision)."""
+        return self.target.cfg.kernels.compiler_options()
+
     def _graphs(self) -> tuple:
         """(tgraph, tstate, dgraph, dstate): the programs' model arguments."""
         t, d = self.target, self.drafter
@@ -235,7 +241,8 @@ class Engine:
             tg, ts, dg, ds = self._graphs()
             plan = dataclasses.replace(self.plan, greedy=self.greedy)
             fn = self.target.executables.get(pool.chunk, tg, ts, dg, ds, self.pool,
-                                             jnp.int32(0), plan=plan)  # fmt: skip
+                                             jnp.int32(0), options=self._xla,
+                                             plan=plan)  # fmt: skip
             self.pool = fn(ts, ds, self.pool, jnp.int32(self.chunk_steps))
             updates += self._collect()
         return updates
@@ -327,7 +334,8 @@ class Engine:
                 *map(jnp.asarray, (tokens, lens, slots, max_new, stop, temps, seeds)),
                 self.priors[W])  # fmt: skip
         plan = dataclasses.replace(self.plan, greedy=self.greedy)
-        fn = self.target.executables.get(pool.admit, tg, ts, dg, ds, *args, plan=plan)
+        fn = self.target.executables.get(pool.admit, tg, ts, dg, ds, *args, options=self._xla,
+                                         plan=plan)  # fmt: skip
         self.pool = fn(ts, ds, *args)
 
     def _collect(self) -> list[Update]:
