@@ -25,7 +25,7 @@ class Executables:
     least recently used dropped past `capacity`. Compiling ahead of time lets generate()
     report compile time apart from prefill and decode time."""
 
-    def __init__(self, capacity: int = 32):
+    def __init__(self, capacity: int = 128):  # a serving pool: widths x admission buckets
         self.capacity = capacity
         self._programs: collections.OrderedDict = collections.OrderedDict()
 
