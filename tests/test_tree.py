@@ -80,19 +80,11 @@ def test_batched_build_matches_single():
 
 # ---------------------------------------------- the pruned beam against all budget x K pairs
 def all_pairs_beams(top_lp, top_tok, budget: int):
-    """The beam build before pruning: each depth takes top_k over all budget x K pairs."""
-    K = top_lp.shape[1]
-    s0 = jnp.concatenate([top_lp[0], jnp.full((budget - K,), -jnp.inf)])
-    t0 = jnp.concatenate([top_tok[0], jnp.zeros((budget - K,), jnp.int32)])
+    """The beam build before pruning (top_k over all budget x K pairs each depth): the
+    bench's A/B case, bench/profile_step.py, kept once."""
+    from tests.test_bench import load_bench
 
-    def extend(prev, x):
-        lp_d, tok_d = x
-        score, flat = jax.lax.top_k((prev[:, None] + lp_d[None, :]).reshape(-1), budget)
-        return score, (score, tok_d[flat % K], flat // K)
-
-    _, (s, t, p) = jax.lax.scan(extend, s0, (top_lp[1:], top_tok[1:]))
-    return (jnp.concatenate([s0[None], s]), jnp.concatenate([t0[None], t]),
-            jnp.concatenate([jnp.full((1, budget), -1), p]))  # fmt: skip
+    return load_bench("profile_step").all_pairs_beams(top_lp, top_tok, budget)
 
 
 def all_pairs_build(top_lp, top_tok, budget: int):
