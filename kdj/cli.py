@@ -136,7 +136,7 @@ def cmd_bench_serve(args) -> int:
     if not 1 <= lo <= hi:
         raise ValueError(f"--max-tokens: need 1 <= lo <= hi, got {args.max_tokens}")
     report = bench.run(args.url, prompts, args.concurrency, (lo, hi), args.requests,
-                       seed=args.seed, model=args.model)  # fmt: skip
+                       seed=args.seed, model=args.model, warmup=not args.no_warmup)  # fmt: skip
     print(bench.table(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
@@ -361,6 +361,9 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument(
         "--seed", type=int, default=0, help="seed of prompt and length draws (default: 0)"
     )
+    w.add_argument("--no-warmup", action="store_true",
+                   help="skip the unmeasured pass over every level first (the server's "
+                   "compiles then land in the measured rows)")  # fmt: skip
     w.add_argument("--out", help="write the report as JSON here (default: print only)")
     w.set_defaults(fn=cmd_bench_serve)
 

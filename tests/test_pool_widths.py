@@ -260,3 +260,39 @@ def test_auto_is_priced_at_each_width(pair):
     engine = Engine(target, 8, 64, 23, widths=LADDER, **drafting)
     assert engine.plans[8].menu == (DraftShape("none"), DraftShape("chain", 5))
     assert engine.plans[1].menu == menus[1] and engine.method == "auto"
+
+
+# ------------------------------------------------------------------ waking late
+@pytest.mark.parametrize("method", ["ar", "dflash", "auto"])
+def test_a_pool_that_wakes_late_gives_the_same_tokens_and_steps(pair, greedy_alone, method,
+                                                                 request):  # fmt: skip
+    """wake=3 (bulk generation): the device runs on past finished slots until three have
+    finished, so the host turns are fewer; every request still gets its tokens alone, and
+    its steps are the steps it ran (those of the pool that wakes at every finish: a finished
+    slot riding along is not counted)."""
+    target, drafter = pair
+    prompts, budgets, *_ = waves()
+    kw = {}
+    if method != "ar":
+        kw = dict(drafter=drafter, menu=auto.parse_menu(method, None, 6, 6))
+    if method == "auto":
+        request.getfixturevalue("switching")  # auto's inner runs cut short by a finish
+
+    def run(wake):
+        engine = Engine(target, 4, 64, 23, chunk_steps=64, widths=(1, 2, 4), wake=wake, **kw)
+        ids = [engine.submit(Request(p, m, [])) for p, m in zip(prompts, budgets)]
+        got, steps = {i: [] for i in ids}, {}
+        while engine.busy:
+            for u in engine.step():
+                got[u.id] += u.tokens
+                steps[u.id] = u.steps
+        return [got[i] for i in ids], [steps[i] for i in ids], len(engine.chunk_widths)
+
+    tokens1, steps1, chunks1 = run(1)
+    tokens3, steps3, chunks3 = run(3)
+    assert tokens1 == tokens3 == greedy_alone
+    assert chunks3 < chunks1
+    if method == "ar":
+        assert steps3 == [len(t) - 1 for t in tokens3]
+    if method == "dflash":  # greedy float32: a request's steps depend on it alone
+        assert steps3 == steps1 and sum(steps3) < sum(len(t) - 1 for t in tokens3)

@@ -427,9 +427,17 @@ def test_full_queue_is_refused(target):
     assert worker.in_flight == 2
 
 
-def test_bench_serve_smoke(server, tmp_path, capsys):
+def test_bench_serve_smoke(server, tmp_path, capsys, monkeypatch):
     from kdj import cli
+    from kdj.serve import bench
 
+    levels, level = [], bench.level
+
+    async def counted(url, model, prompts, lengths, concurrency, requests, timeout):
+        levels.append((concurrency, requests))
+        return await level(url, model, prompts, lengths, concurrency, requests, timeout)
+
+    monkeypatch.setattr(bench, "level", counted)
     prompts = tmp_path / "eval_prompts.json"
     prompts.write_text(json.dumps({"sharegpt": ["hi there", "tell me a story", "why?"]}))
     out = tmp_path / "sweep.json"
@@ -437,6 +445,7 @@ def test_bench_serve_smoke(server, tmp_path, capsys):
               "--max-tokens", "2", "6", "--prompts", str(prompts), "--out", str(out)])  # fmt: skip
     rows = json.loads(out.read_text())["rows"]
     assert [(r["concurrency"], r["requests"]) for r in rows] == [(1, 3), (3, 3)]
+    assert levels == [(1, 1), (3, 3), (1, 3), (3, 3)]  # the unmeasured pass first
     assert all(r["tokens"] > 0 and r["tok_s"] > 0 and r["ttft_p50_s"] > 0 for r in rows)
     assert "tok/s/user" in capsys.readouterr().out
 

@@ -2,7 +2,7 @@
 
     host                                  device (kdj/decode/pool.py)
     admit waiting requests into free  ->  prefill only those rows (bucketed: A newcomers
-    slots                                 rounded up to a power of two, prompts to 16 tokens),
+    slots                                 rounded up to a power of two, prompts to one >= 16),
                                           their target and drafter K/V and state written in
     re-enter                          ->  ONE while_loop of the decode loop's own body over
                                           the whole pool (plain_step; with a drafter, DFlash's
@@ -91,8 +91,10 @@ class Engine:
     The running slots share a `Mode`: greedy (exact argmax) or sampled at one top_p, each slot
     at its own temperature; the pool switches mode when it drains. A request's token at
     position p is sampled with a key from (its seed, p), so its samples do not depend on its
-    neighbours; without a seed of its own it gets one from `seed` and its id. Not
-    thread-safe: one thread drives `step`.
+    neighbours; without a seed of its own it gets one from `seed` and its id. The device
+    runs `chunk_steps` steps at most, and returns early once `wake` slots have finished:
+    1 serves each finished request at once; more keeps finished slots idle a little longer
+    for fewer host turns (bulk generation). Not thread-safe: one thread drives `step`.
     widths: the ladder of compiled widths (ascending, ending at max_batch; default powers of
     4 below it); `menu` and `cost` may then be one per width (a mapping width -> value).
     What ran: `width` (now), `chunk_widths` (each recent chunk's width), `resizes`."""
@@ -101,9 +103,9 @@ class Engine:
                  *, drafter: Drafter | None = None, block_size: int | None = None,
                  menu: tuple[DraftShape, ...] | Mapping[int, tuple[DraftShape, ...]] = (),
                  cost=None, calibration: float = 1.0, chunk_steps: int = 32, seed: int = 0,
-                 widths: tuple[int, ...] | None = None):  # fmt: skip
-        if max_batch < 1 or cache_size < 2 or max_new_cap < 1 or chunk_steps < 1:
-            raise ValueError("max_batch, max_new_cap, chunk_steps >= 1 and cache_size >= 2")
+                 widths: tuple[int, ...] | None = None, wake: int = 1):  # fmt: skip
+        if min(max_batch, max_new_cap, chunk_steps, wake) < 1 or cache_size < 2:
+            raise ValueError("max_batch, max_new_cap, chunk_steps, wake >= 1 and cache_size >= 2")
         if target.sharding is not None:
             raise ValueError("the serving engine runs on one device (target has a mesh)")
         self.widths = ladder(max_batch, widths)
@@ -122,7 +124,7 @@ class Engine:
         self.priors = {w: jnp.zeros((1,), jnp.float32) for w in self.widths}  # auto's, per entry
         if drafter is not None:
             self._drafting_plans(drafter, block_size, menu, cost)
-        self.greedy, self.chunk_steps = True, chunk_steps
+        self.greedy, self.chunk_steps, self.wake = True, chunk_steps, wake
         self.seed = seed
         self.waiting: collections.deque[Request] = collections.deque()
         self.width = self.widths[0]  # the width the pool runs at now
@@ -241,9 +243,9 @@ class Engine:
             tg, ts, dg, ds = self._graphs()
             plan = dataclasses.replace(self.plan, greedy=self.greedy)
             fn = self.target.executables.get(pool.chunk, tg, ts, dg, ds, self.pool,
-                                             jnp.int32(0), options=self._xla,
+                                             jnp.int32(0), jnp.int32(0), options=self._xla,
                                              plan=plan)  # fmt: skip
-            self.pool = fn(ts, ds, self.pool, jnp.int32(self.chunk_steps))
+            self.pool = fn(ts, ds, self.pool, jnp.int32(self.chunk_steps), jnp.int32(self.wake))
             updates += self._collect()
         return updates
 
@@ -315,7 +317,8 @@ class Engine:
         self.greedy = mode.greedy
         W = self.width
         A = min(1 << (len(take) - 1).bit_length(), W)  # bucket: powers of two
-        P = min(-(-max(len(r.tokens) for r in take) // 16) * 16, self.S)
+        longest = max(len(r.tokens) for r in take)
+        P = min(max(16, 1 << (longest - 1).bit_length()), self.S)  # few prefill compiles
         tokens = np.zeros((A, P), np.int32)
         lens, slots = np.ones(A, np.int32), np.full(A, W, np.int32)
         max_new, temps = np.ones(A, np.int32), np.ones(A, np.float32)
@@ -367,13 +370,14 @@ def generate_stream(target: Target, prompts: list[list[int]], max_batch: int, ma
                     top_p: float = 1.0, seed: int = 0, seeds: list[int] | None = None,
                     chunk_steps: int = 32, drafter: Drafter | None = None,
                     block_size: int | None = None, menu: tuple[DraftShape, ...] = (),
-                    cost=None, calibration: float = 1.0, widths=None) -> Streamed:  # fmt: skip
+                    cost=None, calibration: float = 1.0, widths=None,
+                    wake: int = 1) -> Streamed:  # fmt: skip
     """Every prompt (token ids) streamed through a pool of `max_batch` slots (drafting with
     `drafter`, at the ladder `widths`, as `Engine` does). seeds: one per prompt (its
     samples then do not depend on the other prompts); else each is derived from `seed`."""
     engine = Engine(target, max_batch, cache_size, max(max_new), drafter=drafter,
                     block_size=block_size, menu=menu, cost=cost, calibration=calibration,
-                    chunk_steps=chunk_steps, seed=seed, widths=widths)  # fmt: skip
+                    chunk_steps=chunk_steps, seed=seed, widths=widths, wake=wake)  # fmt: skip
     seeds = seeds if seeds is not None else [None] * len(prompts)
     ids = [engine.submit(Request(list(p), m, list(s), temperature, top_p, seed))
            for p, m, s, seed in zip(prompts, max_new, stop, seeds)]  # fmt: skip

@@ -5,8 +5,9 @@
     admit   prefill newcomers into rows of the pool (target and drafter K/V, lengths, the
             rows' budgets, stops, keys, temperatures; their feature queues emptied)
     chunk   the loop's own body (loop.body: plain_step, drafted_step, or auto's runs of
-            plain and drafted steps) over the whole pool, until a running slot finishes, all
-            are done, or a bound of steps
+            plain and drafted steps) over the whole pool, until `wake` running slots have
+            finished (serving: 1; data generation: a share of the pool), all are done, or a
+            bound of steps
 
 `Pool` carries, beside the DecodeState, each slot's steps since admission: a request's tokens
 per step, (tokens - 1) / steps (the first token comes from prefill). method="auto" keeps its
@@ -62,21 +63,31 @@ def empty(target, drafter, plan: Plan, B: int, S: int, calibration=1.0, prior=No
 
 
 @functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "plan"), donate_argnames=("pool",))
-def chunk(tgraph, tstate, dgraph, dstate, pool: Pool, bound, *, plan: Plan) -> Pool:
-    """The loop's body over the pool until a running slot finishes, all are done, or `bound`
-    steps ran. The body's own inner loops (auto's runs) stop on the same condition, so no
-    step runs after a slot finishes: every slot running at entry ran every step."""
+def chunk(tgraph, tstate, dgraph, dstate, pool: Pool, bound, wake, *, plan: Plan) -> Pool:
+    """The loop's body over the pool until `wake` running slots have finished, all are done,
+    or `bound` steps ran. Each slot counts the steps it was running for: the body's own
+    inner loops (auto's runs) also stop when any slot finishes, so a body call's steps are
+    either all before or all after a slot's last."""
     target = nnx.merge(tgraph, tstate)
     drafter = None if dgraph is None else nnx.merge(dgraph, dstate)
     entry = pool.state
     stop_at = entry.step + bound
 
     def going(s):
-        return (s.step < stop_at) & ~jnp.any(s.done & ~entry.done) & ~jnp.all(s.done)
+        finished = jnp.sum(s.done & ~entry.done)
+        return (s.step < stop_at) & (finished < wake) & ~jnp.all(s.done)
 
-    state = jax.lax.while_loop(going, loop.body(target, drafter, plan, going), entry)
-    ran = jnp.where(entry.active, state.step - entry.step, 0)
-    return Pool(state, pool.steps + ran)
+    def counted(carry):
+        s, ran = carry
+
+        def inner(t):
+            return going(t) & ~jnp.any(t.done & ~s.done)
+
+        t = loop.body(target, drafter, plan, inner)(s)
+        return t, ran + jnp.where(s.active, t.step - s.step, 0)
+
+    state, steps = jax.lax.while_loop(lambda c: going(c[0]), counted, (entry, pool.steps))
+    return Pool(state, steps)
 
 
 def _put(pool: KVCache, new: KVCache, slots, lens) -> KVCache:

@@ -80,19 +80,25 @@ async def level(url, model, prompts, lengths, concurrency, requests, timeout) ->
 
 
 def run(url: str, prompts: list[str], concurrency: list[int], max_tokens: tuple[int, int],
-        requests: int, seed: int = 0, model: str | None = None, timeout: float = 600):  # fmt: skip
+        requests: int, seed: int = 0, model: str | None = None, timeout: float = 600,
+        warmup: bool = True):  # fmt: skip
     """The sweep: one row per concurrency. max_tokens (lo, hi): output lengths drawn
-    uniformly (seeded); lo == hi: fixed."""
+    uniformly (seeded); lo == hi: fixed. warmup: first run every level once unmeasured
+    (C requests each), so the server's compiles for those batch shapes fall outside the
+    measured rows."""
     if not prompts:
         raise ValueError("no prompts")
     rng = random.Random(seed)
     lengths = [rng.randint(*max_tokens) for _ in range(max(max(concurrency), requests))]
     if model is None:
         model = httpx.get(url + "/v1/models", timeout=timeout).json()["data"][0]["id"]
+    if warmup:
+        for c in concurrency:
+            asyncio.run(level(url, model, prompts, lengths, c, c, timeout))
     rows = [asyncio.run(level(url, model, prompts, lengths, c, requests, timeout))
             for c in concurrency]  # fmt: skip
     return {"url": url, "model": model, "max_tokens": list(max_tokens), "seed": seed,
-            "rows": rows}  # fmt: skip
+            "warmup": warmup, "rows": rows}  # fmt: skip
 
 
 def table(report: dict) -> str:

@@ -38,9 +38,11 @@ import gzip
 import hashlib
 import importlib.util
 import json
+import time
 import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -226,7 +228,7 @@ def _chat_prompt_ids(tokenizer, message: str, max_tokens: int) -> list[int]:
 MANIFEST = "regen.json"
 # What a regen.json written before a setting existed was generated with: the setting's
 # default (so caches carried from older runs stay usable with the default settings).
-_MANIFEST_DEFAULTS = {"turns": "first", "samples_per_prompt": 1}
+_MANIFEST_DEFAULTS = {"turns": "first", "samples_per_prompt": 1, "generator": "static batches"}
 
 
 def settings_diff(cached: dict, asked: dict) -> list[str]:
@@ -281,10 +283,8 @@ def regenerate(
     is what N = 1 generates. N > 1 needs temperature > 0 (ValueError: greedy responses would be
     N copies of one). turns: how the prompts were made (data.turns), recorded in regen.json.
 
-    Prompts are sorted by length so a batch wastes little padding. Every batch has exactly
-    batch_size real-or-dummy prompts plus one dummy whose length is the batch's 128-multiple
-    bucket, with max_new_tokens=1: so the compiled programs are reused (a handful of prefill
-    shapes, one decode loop) instead of one compile per batch (respond_batch).
+    Prompts are sorted by length, batch_size to a shard, each shard streamed through a pool
+    of batch_size slots (`respond`).
     """
     if int(samples_per_prompt) != samples_per_prompt or samples_per_prompt < 1:
         raise ValueError(
@@ -311,6 +311,7 @@ def regenerate(
         "samples_per_prompt": samples_per_prompt,
         "batch_size": int(batch_size),
         "seed": int(seed) if temperature > 0 else None,  # greedy: the seed plays no part
+        "generator": "pool",  # sampled responses: each request's seed as the engine draws it
     }
     _check_manifest(cache_dir, manifest)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -324,7 +325,7 @@ def regenerate(
             bar.update(len(idx))
             continue
         batch = [prompts[i] for i in idx]
-        responses, tok_s = respond_batch(
+        responses, tok_s = respond(
             target, batch, batch_size, max_new_tokens, temperature, seed + n, capacity
         )
         seqs = [p + r for p, r in zip(batch, responses)]
@@ -346,31 +347,34 @@ def regenerate(
     return cache_dir
 
 
-def respond_batch(target, batch, batch_size, max_new_tokens, temperature, seed, capacity):
-    """The target's responses (AR) to at most batch_size prompts, and the decode tokens/s.
+class Responses(NamedTuple):
+    tokens: list[list[int]]  # one response per prompt, ending at its stop token or the budget
+    tokens_per_s: float  # response tokens per second of the whole call
 
-    The batch is padded to exactly batch_size prompts plus one dummy whose length is the
-    batch's 128-multiple bucket (max_new_tokens 1), so batches of similar prompts share one
-    compiled prefill and one decode loop instead of compiling each time."""
-    import kdj
 
-    if len(batch) > batch_size:
-        raise ValueError(f"{len(batch)} prompts for a batch of {batch_size}")
-    longest = max(len(p) for p in batch)
-    bucket = max(longest, min(-(-longest // 128) * 128, capacity - 1))
-    pad = batch_size - len(batch)
-    inputs = batch + [[0]] * pad + [[0] * bucket]
-    max_new = [max_new_tokens] * len(batch) + [1] * (pad + 1)
-    out = kdj.generate(
-        target,
-        inputs,
-        method="ar",
-        max_new_tokens=max_new,
-        temperature=temperature,
-        seed=seed,
-        cache_size=capacity,
-    )
-    return out.tokens[: len(batch)], out.stats["tokens_per_s"]
+def respond(target, prompts, pool_size, max_new_tokens, temperature, seed, capacity) -> Responses:
+    """The target's responses (AR) to prompts, streamed through a pool of `pool_size` slots
+    that refills as responses finish (kdj/decode/engine.py: the serving engine), so no slot
+    idles until the longest response of a batch ends. The pool returns to the host once an
+    eighth of it has finished, not at every finish: the refill then prefills many prompts
+    in one call. Prompts go in length order, so admitted groups pad little."""
+    from kdj.decode.engine import generate_stream
+
+    if not prompts:
+        return Responses([], 0.0)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    stop = sorted(target.tokenizer.stop_ids if target.tokenizer else target.cfg.eos_token_ids)
+    t0 = time.perf_counter()
+    out = generate_stream(
+        target, [prompts[i] for i in order], pool_size, [max_new_tokens] * len(prompts),
+        [stop] * len(prompts), cache_size=capacity, temperature=temperature, seed=seed,
+        wake=max(1, pool_size // 8),
+    )  # fmt: skip
+    seconds = time.perf_counter() - t0
+    tokens: list[list[int]] = [[] for _ in prompts]
+    for i, r in zip(order, out.tokens):
+        tokens[i] = r
+    return Responses(tokens, sum(map(len, tokens)) / max(seconds, 1e-9))
 
 
 def load_cache(cache_dir, max_len: int):

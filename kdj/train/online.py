@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from kdj.train.config import OnlineConfig
-from kdj.train.data import chat_prompt_ids, respond_batch
+from kdj.train.data import chat_prompt_ids, respond
 from kdj.train.loop import chat_prompts, held_out_tau, prepare_prompts
 from kdj.train.trainer import DrafterTrainer, drafter_config_for
 
@@ -91,39 +91,23 @@ def magpie_prompts(target, n, cfg, online: OnlineConfig, seed: int, capacity: in
     prefix = user_turn_prefix(tok)
     stops = set(tok.stop_ids)
     prompts, rejected = [], 0
-    bs = cfg.data.gen_batch_size
-    for b in range(0, n, bs):
-        k = min(bs, n - b)
-        turns, _ = respond_batch(
-            target, [prefix] * k, bs, online.magpie_max_tokens, online.magpie_temperature,
-            seed * 1_000 + b // bs, capacity,
-        )  # fmt: skip
-        for ids in turns:
-            ended = bool(ids) and ids[-1] in stops
-            text = tok.decode([t for t in ids if t not in stops]).strip()
-            p = chat_prompt_ids(tok, text, cfg.data.max_prompt_tokens) if ended else None
-            if p is None or not acceptable_turn(text):
-                rejected += 1
-            else:
-                prompts.append(p)
+    turns = respond(target, [prefix] * n, cfg.data.gen_batch_size, online.magpie_max_tokens,
+                    online.magpie_temperature, seed * 1_000, capacity).tokens  # fmt: skip
+    for ids in turns:
+        ended = bool(ids) and ids[-1] in stops
+        text = tok.decode([t for t in ids if t not in stops]).strip()
+        p = chat_prompt_ids(tok, text, cfg.data.max_prompt_tokens) if ended else None
+        if p is None or not acceptable_turn(text):
+            rejected += 1
+        else:
+            prompts.append(p)
     return prompts, rejected
 
 
 def answer(target, prompts, temperature, seed, cfg, capacity):
-    """The target's responses to prompts, generated in length-sorted batches."""
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    out, tok_s = [None] * len(prompts), []
-    bs = cfg.data.gen_batch_size
-    for n, b in enumerate(range(0, len(order), bs)):
-        idx = order[b : b + bs]
-        responses, rate = respond_batch(
-            target, [prompts[i] for i in idx], bs, cfg.data.max_response_tokens, temperature,
-            seed + n, capacity,
-        )  # fmt: skip
-        tok_s.append(rate)
-        for i, r in zip(idx, responses):
-            out[i] = r
-    return out
+    """The target's responses to prompts, streamed through a pool of gen_batch_size slots."""
+    return respond(target, prompts, cfg.data.gen_batch_size, cfg.data.max_response_tokens,
+                   temperature, seed, capacity).tokens  # fmt: skip
 
 
 def pack(prompts, responses, max_len: int):
