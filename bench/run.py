@@ -183,6 +183,16 @@ SUITES = {
             ),
         ),
     ),  # fmt: skip
+    "train": Suite(
+        "the drafter's training step at the online config's shape: tokens/s and MFU, the "
+        "chunked lm_head at three chunk sizes against the full-logits step",
+        (
+            step(
+                "train-step",
+                "train_step.py --chunks 4096 8192 16384 --out {out}/train_step.json",
+            ),
+        ),
+    ),  # fmt: skip
     "multi-gpu": Suite(
         "tp, ep and ep_dp_attn meshes on every local GPU: AR, DFlash, DDTree (2+ GPUs)",
         (

@@ -457,3 +457,31 @@ def test_train_vs_generation_chain_replay():
     assert bench.chain_tau(np.array([0, 0, 0, 0])) == 1.0
     # anchor 0 accepts 2 (3 tokens), anchor 3 accepts 1 (2 tokens), anchor 5 is the last
     assert bench.chain_tau(np.array([2, 9, 9, 1, 9, 0])) == pytest.approx(5 / 2)
+
+
+# ------------------------------------------------------------------------------ train
+def test_train_step_flops_count_the_shapes(tiny):
+    """bench/train_step.py's FLOPs per step, by hand for SmolLM2 (D 576, 9/3 heads of 64,
+    FFN 1536, 30 layers, V 49,152) and its 2-layer drafter tapping layers 1, 10, 18, 27, at
+    the online config's 32 x 640 tokens with 128 blocks of 16."""
+    bench, harness = load_bench("train_step"), load_bench("harness")
+    target = harness.model_config("smollm2-135m")
+    shape = dict(num_layers=2, block_size=16, mask_token_id=3, intermediate_size=1536,
+                 target_layer_ids=[1, 10, 18, 27])  # fmt: skip
+    drafter = harness.drafter_config(target, "", **shape)
+    tokens, slots, blocks_tokens = 32 * 640, 32 * 128 * 15, 32 * 128 * 16
+    proj = 2 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536)  # q, o; k, v; the MLP
+    layer = tokens * (proj + 4 * 9 * 64 * 640)  # scores and values over all 640 positions
+    plain = bench.step_flops(target, drafter, 32, 640, 128, greedy=False)
+    assert plain["target"] == 28 * layer  # through layer 27, the last tap
+    assert plain["draft_head"] == 2 * 2 * slots * 576 * 49152  # logits + input gradient
+    fc = 2 * tokens * 4 * 576 * 576
+    draft_layer = 2 * tokens * 576 * 384 + blocks_tokens * (proj + 4 * 9 * 64 * (640 + 16))
+    assert plain["drafter"] == 2 * fc + 3 * 2 * draft_layer
+    assert plain["total"] == plain["target"] + plain["drafter"] + plain["draft_head"]
+    greedy = bench.step_flops(target, drafter, 32, 640, 128, greedy=True)
+    assert greedy["target_labels"] == 2 * layer + 2 * tokens * 576 * 49152
+    assert greedy["total"] == plain["total"] + greedy["target_labels"]
+    moe = harness.model_config(str(tiny["moe"]))
+    with pytest.raises(ValueError, match="dense GQA"):
+        bench.step_flops(moe, harness.drafter_config(moe, ""), 2, 32, 2, greedy=False)

@@ -5,6 +5,7 @@ float32 on CPU."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 
@@ -460,11 +461,11 @@ def test_greedy_labels_are_the_targets_argmax_after_the_previous_position(target
     mask = np.zeros_like(greedy_data, bool)
     mask[:, prompt.shape[1] :] = True
     anchors, ok = jnp.asarray([[10, 12]], jnp.int32), jnp.asarray([[True, True]])
-    loss = nnx.jit(block_loss, static_argnames="gamma")
+    loss = nnx.jit(functools.partial(block_loss, head_chunk=5), static_argnames="gamma")
 
     def both(tokens):
         tokens = jnp.asarray(tokens)
-        tp = target_pass(target.graphdef, target.state, tokens, cfg.target_layer_ids, True)
+        tp = target_pass(target.graphdef, target.state, tokens, cfg.target_layer_ids, True, 7)
         cache = init_cache(target.cfg, 1, tokens.shape[1], jnp.float32)
         logits = target.model(tokens, jnp.zeros((1,), jnp.int32), cache)[0]
         np.testing.assert_array_equal(tp.greedy, jnp.argmax(logits, -1))
@@ -492,8 +493,8 @@ def test_block_loss_weights_early_slots(target):
     anchors = jnp.asarray([[10, 14], [11, 20]], jnp.int32)
     ok = jnp.asarray([[True, True], [True, False]])
     feats = features(target, tokens, cfg)
-    loss, _ = nnx.jit(block_loss, static_argnames="gamma")(
-        drafter, target.model, feats, tokens, mask, anchors, ok, gamma=2.0
+    loss, _ = nnx.jit(block_loss, static_argnames=("gamma", "head_chunk"))(
+        drafter, target.model, feats, tokens, mask, anchors, ok, gamma=2.0, head_chunk=5
     )
     h = run_blocks(drafter, target.model.embed[...], feats, tokens, anchors)
     logp = jax.nn.log_softmax(target.model.logits(h[:, :, 1:]), -1)
@@ -504,6 +505,102 @@ def test_block_loss_weights_early_slots(target):
             num += w * -float(logp[bi, n, k - 1, int(tokens[bi, int(anchors[bi, n]) + k])])
             den += w
     np.testing.assert_allclose(float(loss), num / den, rtol=1e-5)
+
+
+def full_logits_block_loss(drafter, target_model, feats, tokens, loss_mask, anchors, ok, gamma,
+                           greedy=None):  # fmt: skip
+    """block_loss as it was before the chunked head: the [B, N, b-1, V] logits made whole."""
+    from kdj.train.forward import slot_weights
+
+    b = drafter.cfg.block_size
+    h = drafter_blocks(drafter, target_model.embed[...], feats, tokens, anchors)
+    logits = target_model.logits(h[:, :, 1:])
+    labels, valid = block_labels(tokens, loss_mask, anchors, ok, b, greedy)
+    ce = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[..., None], -1)[..., 0]
+    w = jnp.asarray(slot_weights(b, gamma)) * valid
+    loss = jnp.sum(w * ce) / jnp.maximum(jnp.sum(w), 1e-6)
+    hit = (jnp.argmax(logits, -1) == labels) & valid
+    metrics = {
+        "acc": jnp.sum(hit[..., 0]) / jnp.maximum(jnp.sum(valid[..., 0]), 1),
+        "tau": jnp.sum(jnp.sum(jnp.cumprod(hit, -1), -1) + ok) / jnp.maximum(jnp.sum(ok), 1),
+    }
+    return loss, metrics
+
+
+@pytest.mark.parametrize("labels,tied", [("tokens", False), ("target", True), ("set", False)])
+def test_chunked_block_loss_equals_full_logits(labels, tied):
+    """The chunked lm_head + cross-entropy (chunks of 5 over 3 x 3 x 3 = 27 draft slots: the
+    last chunk padded) gives the loss, acc, tau and drafter gradient of the full logits, on
+    ragged masks (a prompt, a masked hole in the response, padding anchors); the greedy
+    labels equal the argmax of the full target logits. Tied and untied lm_heads. Labels "set"
+    are chosen to hit or miss the drafter's argmax slot by slot (a random drafter hits
+    little), so acc and tau count real hits."""
+    from kdj.models.drafter import build_drafter
+    from kdj.models.transformer import full_sequence
+    from kdj.train.forward import target_pass
+
+    base = tiny_target(seed=4).cfg.replace(tie_word_embeddings=tied)
+    tgt = kdj.Target.from_model(build_model(base, jnp.float32, seed=4))
+    assert (tgt.model.lm_head is None) == tied
+    cfg = tiny_drafter_cfg(tgt)
+    drafter = build_drafter(cfg, jnp.float32, seed=5)
+    rng = np.random.default_rng(6)
+    tokens = jnp.asarray(rng.integers(0, VOCAB - 1, (3, 26)).astype(np.int32))
+    mask = np.zeros((3, 26), bool)
+    mask[:, 6:] = True
+    mask[1, 14:17] = False  # a hole: slots landing there are not scored
+    mask[2, 20:] = False  # a short response
+    # blocks of 4 whose label ranges a..a+2 do not overlap (labels "set" picks each)
+    anchors = jnp.asarray([[6, 9, 18], [8, 12, 20], [7, 11, 0]], jnp.int32)
+    ok = jnp.asarray([[True, True, True], [True, True, True], [True, True, False]])
+    mask = jnp.asarray(mask)
+
+    tp = target_pass(tgt.graphdef, tgt.state, tokens, cfg.target_layer_ids, True, 7)
+    full = full_sequence(tgt.graphdef, tgt.state, tokens, taps=tuple(cfg.target_layer_ids))
+    np.testing.assert_array_equal(tp.greedy, jnp.argmax(full[0], -1))
+    greedy = {"tokens": None, "target": tp.greedy}.get(labels)
+    if labels == "set":
+        h = run_blocks(drafter, tgt.model.embed[...], tp.features, tokens, anchors)
+        pred = np.asarray(jnp.argmax(tgt.model.logits(h[:, :, 1:]), -1))
+        greedy = np.asarray(tp.greedy).copy()
+        for (bi, n), hits in zip(np.ndindex(3, 3), rng.uniform(size=(9, BLOCK - 1)) < 0.6):
+            a = int(anchors[bi, n])
+            greedy[bi, a : a + BLOCK - 1] = np.where(hits, pred[bi, n], (pred[bi, n] + 1) % VOCAB)
+        greedy = jnp.asarray(greedy)
+    graphdef, params = nnx.split(drafter)
+    args = (tp.features, tokens, mask, anchors, ok, 3.0, greedy)
+
+    def chunked(params):
+        d = nnx.merge(graphdef, params)
+        return block_loss(d, tgt.model, *args, head_chunk=5)
+
+    def reference(params):
+        return full_logits_block_loss(nnx.merge(graphdef, params), tgt.model, *args)
+
+    (loss, m), grads = jax.jit(jax.value_and_grad(chunked, has_aux=True))(params)
+    (want, want_m), want_grads = jax.jit(jax.value_and_grad(reference, has_aux=True))(params)
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    for k in ("acc", "tau"):
+        np.testing.assert_allclose(m[k], want_m[k], rtol=1e-6)
+    if labels == "set":  # hits and misses both occur, and runs of hits count
+        assert 0 < float(want_m["acc"]) < 1 and float(want_m["tau"]) > 1.5, want_m
+    for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        # float32 rounding through the layers, at the scale of the leaf's largest entry
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * float(jnp.abs(ref).max()))
+    assert float(optax.tree.norm(grads)) > 1e-3
+
+
+def test_training_refuses_deterministic_targets(target):
+    """Deterministic mode's fixed-tile Pallas matmuls are not what the chunked head runs
+    (and have no gradient): the training path says so instead of training on other kernels."""
+    from kdj.kernels import KernelPolicy
+    from kdj.train.forward import head_weight
+
+    np.testing.assert_array_equal(head_weight(target.model), target.model.lm_head.kernel[...])
+    fixed = target.with_kernels(KernelPolicy(dense_gemv="pallas", deterministic=True))
+    assert fixed.cfg.kernels.fixed_tiles()
+    with pytest.raises(ValueError, match="deterministic mode"):
+        head_weight(fixed.model)
 
 
 # ------------------------------------------------------------------------------ data

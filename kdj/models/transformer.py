@@ -61,17 +61,28 @@ class Transformer(nnx.Module):
     def __call__(
         self, tokens, start, cache: KVCache, *, positions=None, tree=None, taps=(), logits_at=None
     ):
-        """Run T new tokens per sequence on top of the cache.
+        """Run T new tokens per sequence on top of the cache (see `hidden`). logits_at: [B, K]
+        indices into T to compute logits for (default: all T).
+        Returns (logits [B, T or K, V] float32, cache with K/V written, taps [B, T, len, D] or
+        None). `cache.lengths` is left for the caller to advance.
+        """
+        h, cache, tapped = self.hidden(tokens, start, cache, positions=positions, tree=tree,
+                                       taps=taps)  # fmt: skip
+        if logits_at is not None:
+            h = jnp.take_along_axis(h, logits_at[:, :, None], axis=1)
+        return self.logits(h), cache, tapped
+
+    def hidden(self, tokens, start, cache: KVCache, *, positions=None, tree=None, taps=()):
+        """The layers and the final norm, without the lm_head.
 
         tokens [B, T] int32 are written to cache slots start[b] .. start[b] + T - 1 (start [B]
         int32). positions [B, T]: RoPE positions, default start + 0..T-1 (a DDTree passes
         start + depth). tree [B, T, T] bool: which new tokens each new token sees (default
         causal); every token sees all slots < start. taps: layer ids whose OUTPUT hidden state
         (HF `hidden_states[id + 1]`) is returned, in the order given (a DFlash drafter's
-        target_layer_ids: its fc takes the features in that order). logits_at: [B, K] indices
-        into T to compute logits for (default: all T).
-        Returns (logits [B, T or K, V] float32, cache with K/V written, taps [B, T, len, D] or
-        None). `cache.lengths` is left for the caller to advance.
+        target_layer_ids: its fc takes the features in that order).
+        Returns (final normed hidden [B, T, D], cache with K/V written, taps [B, T, len, D] or
+        None).
         """
         B, T = tokens.shape
         if any(not 0 <= i < len(self.layers) for i in taps):
@@ -91,16 +102,16 @@ class Transformer(nnx.Module):
                 vs.append(v)
             if i in taps:
                 tapped[i] = x
-        h = self.norm(x)
-        if logits_at is not None:
-            h = jnp.take_along_axis(h, logits_at[:, :, None], axis=1)
-        logits = self.logits(h)
         cache = dataclasses.replace(cache, k=ks, v=vs)
-        return logits, cache, (jnp.stack([tapped[i] for i in taps], axis=2) if taps else None)
+        return self.norm(x), cache, (jnp.stack([tapped[i] for i in taps], axis=2) if taps else None)
+
+    def head_weight(self):
+        """The final projection's weight [D, V]: the lm_head's, or the tied embedding's."""
+        return self.embed[...].T if self.lm_head is None else self.lm_head.kernel[...]
 
     def logits(self, h):
         """Final projection [..., D] -> [..., V] in float32 (tied embeddings or lm_head)."""
-        w = self.embed[...].T if self.lm_head is None else self.lm_head.kernel[...]
+        w = self.head_weight()
         if self.cfg.kernels.fixed_tiles():  # deterministic mode on the GPU
             return fixed_tile_matmul(h.reshape(-1, w.shape[0]), w).reshape(*h.shape[:-1], -1)
         return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
@@ -119,9 +130,17 @@ def abstract_model(cfg: ModelConfig, dtype=jnp.bfloat16) -> Transformer:
 @functools.partial(jax.jit, static_argnames=("graphdef", "taps"))
 def full_sequence(graphdef, state, tokens, taps=()):
     """Full-sequence pass from an empty cache: (logits [B, T, V], taps [B, T, K, D] or None).
-    For parity checks and drafter training; decoding goes through kdj/decode/."""
+    For parity checks; decoding goes through kdj/decode/."""
+    h, tapped = full_hidden(graphdef, state, tokens, taps)
+    return nnx.merge(graphdef, state).logits(h), tapped
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "taps"))
+def full_hidden(graphdef, state, tokens, taps=()):
+    """Full-sequence pass from an empty cache without the lm_head: (final normed hidden
+    [B, T, D], taps [B, T, K, D] or None). Drafter training's frozen target pass."""
     model = nnx.merge(graphdef, state)
     B, T = tokens.shape
     cache = init_cache(model.cfg, B, T, model.embed[...].dtype)
-    logits, _, tapped = model(tokens, jnp.zeros((B,), jnp.int32), cache, taps=taps)
-    return logits, tapped
+    h, _, tapped = model.hidden(tokens, jnp.zeros((B,), jnp.int32), cache, taps=taps)
+    return h, tapped

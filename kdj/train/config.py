@@ -105,6 +105,9 @@ class OptimConfig:
     # next token after the data's prefix (what a greedy verify accepts; differs on sampled data)
     labels: str = "tokens"
     compute_dtype: str = "bfloat16"  # params are float32 masters, cast for the forward
+    # draft slots (and, with labels "target", target positions) per chunk of the lm_head +
+    # cross-entropy: the float32 logits alive at once are head_chunk x vocab (kdj/train/head.py)
+    head_chunk: int = 8192
     max_minutes: float | None = None  # stop early (then checkpoint + export) after this long
     log_every: int = 20
     ckpt_every: int = 500
@@ -113,6 +116,9 @@ class OptimConfig:
     def __post_init__(self):
         if self.labels not in LABELS:
             raise ValueError(f"optim.labels must be one of {LABELS}, not {self.labels!r}")
+        c = self.head_chunk
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            raise ValueError(f"optim.head_chunk must be a positive number of rows, not {c!r}")
 
 
 @dataclass

@@ -11,6 +11,9 @@
     logits = target_lm_head(norm(x))[:, :, 1:]    slot k predicts tok[a_n + k] (no shift)
     loss = sum(w_k CE_k) / sum(w_k) over valid slots,  w_k = exp(-(k - 1) / gamma)
 
+The logits of the draft slots (and the target's, for greedy labels) are never made whole:
+kdj/train/head.py runs the lm_head and the cross-entropy a chunk of rows at a time.
+
 The label of slot k is the data's token tok[a_n + k] (labels "tokens"), or the target's own
 greedy choice there, argmax p_target(. | tok[<= a_n + k - 1]) (labels "target"): what a
 greedy verify accepts. They differ where the data was sampled (T > 0).
@@ -27,10 +30,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from kdj.models.drafter import DFlashDrafter, DrafterAttention
 from kdj.models.layers import NEG_INF, apply_rope, rope_frequencies, softmax_scale
-from kdj.models.transformer import full_sequence  # its logits are dead code under jit
+from kdj.models.transformer import full_hidden
+from kdj.train.head import head_argmax, head_cross_entropy
 
 
 class TargetPass(NamedTuple):
@@ -40,19 +45,42 @@ class TargetPass(NamedTuple):
     greedy: jax.Array | None  # [B, S] int32: its argmax next token after each position
 
 
-def target_pass(target_graphdef, target_state, tokens, layer_ids, greedy: bool) -> TargetPass:
-    """Frozen target pass over tokens [B, S]. Without `greedy` the layers after the last tap
-    and the lm_head are dead code under jit."""
-    logits, taps = full_sequence(target_graphdef, target_state, tokens, taps=tuple(layer_ids))
+def head_weight(target_model) -> jax.Array:
+    """The target's lm_head weight [D, V] for training's chunked head (kdj/train/head.py),
+    which runs XLA's matmuls: a target in deterministic mode (fixed-tile Pallas matmuls,
+    whose gradient is not defined) is refused rather than trained on other kernels."""
+    if target_model.cfg.kernels.fixed_tiles():
+        raise ValueError(
+            "drafter training does not run in deterministic mode: the target's kernel policy "
+            "has fixed tiles (deterministic=True with Pallas dense matmuls); load the target "
+            "with the default kernels to train"
+        )
+    return target_model.head_weight()
+
+
+def _frozen_target(target_graphdef, target_state, tokens, layer_ids):
+    """(final normed hidden [B, S, D], features [B, S, K*D]) of the frozen target."""
+    h, taps = full_hidden(target_graphdef, target_state, tokens, taps=tuple(layer_ids))
     B, S, K, D = taps.shape
-    feats = jax.lax.stop_gradient(taps.reshape(B, S, K * D))
-    nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32) if greedy else None
+    return jax.lax.stop_gradient(h), jax.lax.stop_gradient(taps.reshape(B, S, K * D))
+
+
+def target_pass(
+    target_graphdef, target_state, tokens, layer_ids, greedy: bool, head_chunk: int
+) -> TargetPass:
+    """Frozen target pass over tokens [B, S]. Without `greedy` the layers after the last tap
+    are dead code under jit; with it the argmax runs head_chunk rows at a time."""
+    h, feats = _frozen_target(target_graphdef, target_state, tokens, layer_ids)
+    nxt = None
+    if greedy:
+        w = head_weight(nnx.merge(target_graphdef, target_state))
+        nxt = head_argmax(h, w, head_chunk)
     return TargetPass(feats, nxt)
 
 
 def target_features(target_graphdef, target_state, tokens, layer_ids) -> jax.Array:
     """Frozen target pass: tokens [B, S] -> drafter context features [B, S, K*D]."""
-    return target_pass(target_graphdef, target_state, tokens, layer_ids, greedy=False).features
+    return _frozen_target(target_graphdef, target_state, tokens, layer_ids)[1]
 
 
 def block_attention(attn: DrafterAttention, h, positions, anchors, ctx_k, ctx_v, window):
@@ -151,21 +179,23 @@ def block_loss(
     anchor_ok,
     gamma: float,
     greedy=None,
+    *,
+    head_chunk: int,
 ):
     """Weighted cross-entropy of the drafter's blocks against the data's tokens, or with
-    greedy [B, S] against the target's argmax (block_labels). Returns (loss, metrics) where
-    metrics hold `acc` (slot-1 accuracy) and `tau` (mean accepted drafts + 1 per block under
-    greedy verification against those labels: the acceptance length the block would get)."""
+    greedy [B, S] against the target's argmax (block_labels); the lm_head and the
+    cross-entropy run head_chunk slots at a time (kdj/train/head.py). Returns (loss, metrics)
+    where metrics hold `acc` (slot-1 accuracy) and `tau` (mean accepted drafts + 1 per block
+    under greedy verification against those labels: the acceptance length the block would
+    get)."""
     b = drafter.cfg.block_size
+    head = head_weight(target_model)
     h = drafter_blocks(drafter, target_model.embed[...], feats, tokens, anchors)
-    logits = target_model.logits(h[:, :, 1:].astype(target_model.embed[...].dtype))  # f32
     labels, valid = block_labels(tokens, loss_mask, anchors, anchor_ok, b, greedy)
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    gold = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
-    ce = logz - gold  # [B, N, b-1]
     w = jnp.asarray(slot_weights(b, gamma)) * valid
-    loss = jnp.sum(w * ce) / jnp.maximum(jnp.sum(w), 1e-6)
-    hit = (jnp.argmax(logits, axis=-1) == labels) & valid
+    out = head_cross_entropy(h[:, :, 1:].astype(head.dtype), head, labels, w, head_chunk)
+    loss = out.loss_sum / jnp.maximum(jnp.sum(w), 1e-6)
+    hit = out.hit & valid
     blocks = jnp.maximum(jnp.sum(anchor_ok), 1)
     metrics = {
         "acc": jnp.sum(hit[..., 0]) / jnp.maximum(jnp.sum(valid[..., 0]), 1),

@@ -143,15 +143,15 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     )
 
 
-def _loss(params, dgraph, tgraph, tstate, batch, compute_dtype, gamma, labels):
+def _loss(params, dgraph, tgraph, tstate, batch, cfg: OptimConfig):
     tokens, loss_mask, anchors, ok = batch
     target = nnx.merge(tgraph, tstate)
-    low = jax.tree.map(lambda p: p.astype(compute_dtype), params)  # f32 masters -> compute
+    low = jax.tree.map(lambda p: p.astype(jnp.dtype(cfg.compute_dtype)), params)  # f32 masters
     drafter = nnx.merge(dgraph, low)
-    tp = target_pass(tgraph, tstate, tokens, drafter.cfg.target_layer_ids, labels == "target")
-    return block_loss(
-        drafter, target, tp.features, tokens, loss_mask, anchors, ok, gamma, tp.greedy
-    )
+    ids, greedy = drafter.cfg.target_layer_ids, cfg.labels == "target"
+    tp = target_pass(tgraph, tstate, tokens, ids, greedy, cfg.head_chunk)
+    return block_loss(drafter, target, tp.features, tokens, loss_mask, anchors, ok, cfg.gamma,
+                      tp.greedy, head_chunk=cfg.head_chunk)  # fmt: skip
 
 
 @functools.partial(
@@ -163,10 +163,7 @@ def _train_step(params, opt_state, tstate, batch, *, optim: tuple, dgraph, tgrap
     cfg = OptimConfig(*optim)
     tx = make_optimizer(cfg)
     grad_fn = jax.value_and_grad(_loss, has_aux=True)
-    (loss, metrics), grads = grad_fn(
-        params, dgraph, tgraph, tstate, batch, jnp.dtype(cfg.compute_dtype), cfg.gamma,
-        cfg.labels,
-    )  # fmt: skip
+    (loss, metrics), grads = grad_fn(params, dgraph, tgraph, tstate, batch, cfg)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
