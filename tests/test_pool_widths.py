@@ -267,9 +267,10 @@ def test_auto_is_priced_at_each_width(pair):
 def test_a_pool_that_wakes_late_gives_the_same_tokens_and_steps(pair, greedy_alone, method,
                                                                  request):  # fmt: skip
     """wake=3 (bulk generation): the device runs on past finished slots until three have
-    finished, so the host turns are fewer; every request still gets its tokens alone, and
-    its steps are the steps it ran (those of the pool that wakes at every finish: a finished
-    slot riding along is not counted)."""
+    finished, so the host turns are fewer, and newcomers are prefilled three rows at a time
+    (admit_rows: several prefill calls per admission); every request still gets its tokens
+    alone, and its steps are the steps it ran (those of the pool that wakes at every finish:
+    a finished slot riding along is not counted)."""
     target, drafter = pair
     prompts, budgets, *_ = waves()
     kw = {}
@@ -279,7 +280,8 @@ def test_a_pool_that_wakes_late_gives_the_same_tokens_and_steps(pair, greedy_alo
         request.getfixturevalue("switching")  # auto's inner runs cut short by a finish
 
     def run(wake):
-        engine = Engine(target, 4, 64, 23, chunk_steps=64, widths=(1, 2, 4), wake=wake, **kw)
+        engine = Engine(target, 4, 64, 23, chunk_steps=64, widths=(1, 2, 4), wake=wake,
+                        admit_rows=wake, **kw)  # fmt: skip
         ids = [engine.submit(Request(p, m, [])) for p, m in zip(prompts, budgets)]
         got, steps = {i: [] for i in ids}, {}
         while engine.busy:
@@ -296,3 +298,11 @@ def test_a_pool_that_wakes_late_gives_the_same_tokens_and_steps(pair, greedy_alo
         assert steps3 == [len(t) - 1 for t in tokens3]
     if method == "dflash":  # greedy float32: a request's steps depend on it alone
         assert steps3 == steps1 and sum(steps3) < sum(len(t) - 1 for t in tokens3)
+
+
+def test_prompt_buckets_are_half_octaves():
+    from kdj.decode.engine import prompt_bucket
+
+    got = [prompt_bucket(n) for n in (1, 16, 17, 24, 25, 33, 49, 65, 97, 300, 385, 513)]
+    assert got == [16, 16, 24, 24, 32, 48, 64, 96, 128, 384, 512, 768]
+    assert all(n <= prompt_bucket(n) <= max(16, 1.5 * n) for n in range(1, 3000))

@@ -446,6 +446,18 @@ def test_bench_serve_smoke(server, tmp_path, capsys, monkeypatch):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["concurrency"], r["requests"]) for r in rows] == [(1, 3), (3, 3)]
     assert levels == [(1, 1), (3, 3), (1, 3), (3, 3)]  # the unmeasured pass first
+    assert all(r["errors"] == 0 for r in rows)
+    # a prompt past the server's context: refused (400), counted, the others still measured
+    prompts.write_text(json.dumps({"sharegpt": ["hi there", "word " * 400, "why?"]}))
+    cli.main(["bench-serve", "--url", server, "--concurrency", "3", "--requests", "6",
+              "--max-tokens", "2", "--prompts", str(prompts), "--no-warmup",
+              "--out", str(out)])  # fmt: skip
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["errors"] == 2 and row["requests"] == 4 and "context" in row["first_error"]
+    prompts.write_text(json.dumps({"sharegpt": ["word " * 400]}))
+    with pytest.raises(RuntimeError, match="every request at concurrency 1 failed"):
+        cli.main(["bench-serve", "--url", server, "--concurrency", "1", "--requests", "2",
+                  "--prompts", str(prompts), "--no-warmup"])  # fmt: skip
     assert all(r["tokens"] > 0 and r["tok_s"] > 0 and r["ttft_p50_s"] > 0 for r in rows)
     assert "tok/s/user" in capsys.readouterr().out
 

@@ -1,13 +1,14 @@
 """Continuous batching: a fixed pool of B slots on the device, requests streamed through it.
 
     host                                  device (kdj/decode/pool.py)
-    admit waiting requests into free  ->  prefill only those rows (bucketed: A newcomers
-    slots                                 rounded up to a power of two, prompts to one >= 16),
-                                          their target and drafter K/V and state written in
+    admit waiting requests into free  ->  prefill only those rows, `admit_rows` at a time
+    slots                                 (bucketed: rows to a power of two, prompts to a
+                                          half-octave length, `prompt_bucket`), their target
+                                          and drafter K/V and state written in
     re-enter                          ->  ONE while_loop of the decode loop's own body over
                                           the whole pool (plain_step; with a drafter, DFlash's
                                           or DDTree's drafted_step, or auto's runs of both),
-                                          until a slot finishes or `chunk_steps` steps ran
+                                          until `wake` slots finish or `chunk_steps` steps ran
     retire finished slots, hand out   <-  out / n / done / steps (never the caches)
     the new tokens
 
@@ -17,12 +18,13 @@ of a ladder (`widths`, default 1, 4, 16, 64, ... up to max_batch; kdj/decode/wid
 that holds its live slots and the requests that may join them: between chunks the host
 packs the live rows into a narrower pool, or spreads them into a wider one before admitting
 (one gather program per pair of widths). A pool that stays full never moves.
-A newcomer's prefill stalls the running slots for one prefill call of at most the pool's
-width of rows of the longest waiting prompt; a slot finishing wakes the host, so a free slot
-waits at most one chunk. AR, DFlash, DDTree and auto run on the pool; auto's menu is priced
-per width when the engine is built (it decides each width's compiled shapes), its forecasts
-are per slot (reset on admission, moved with their slot), and its draft-or-skip decision is
-the batch's, re-made at each admission, resize and drafted step.
+A newcomer's prefill stalls the running slots for prefill calls of `admit_rows` rows of the
+longest waiting prompt, one per group of newcomers; a slot finishing wakes the host (`wake`:
+1 when serving), so a free slot waits at most one chunk. AR, DFlash, DDTree and auto run
+on the pool; auto's menu is priced per width when the engine is built (it decides each
+width's compiled shapes), its forecasts are per slot (reset on admission, moved with their
+slot), and its draft-or-skip decision is the batch's, re-made at each admission, resize and
+drafted step.
 """
 
 from __future__ import annotations
@@ -45,6 +47,13 @@ from kdj.decode.widths import batch_axes, fitting, ladder, resize
 from kdj.handles import Drafter, Target, check_pair
 
 HISTORY = 4096  # chunks whose width the engine remembers (chunk_widths)
+
+
+def prompt_bucket(n: int) -> int:
+    """The prefill length for a longest prompt of n tokens: the smallest of 16, 24, 32, 48,
+    64, 96, ... that holds it (at most 1.5x padding, two compiled lengths per octave)."""
+    p = max(16, 1 << (n - 1).bit_length())
+    return 3 * p // 4 if 3 * p // 4 >= n and p > 16 else p
 
 
 @dataclasses.dataclass
@@ -103,9 +112,11 @@ class Engine:
                  *, drafter: Drafter | None = None, block_size: int | None = None,
                  menu: tuple[DraftShape, ...] | Mapping[int, tuple[DraftShape, ...]] = (),
                  cost=None, calibration: float = 1.0, chunk_steps: int = 32, seed: int = 0,
-                 widths: tuple[int, ...] | None = None, wake: int = 1):  # fmt: skip
-        if min(max_batch, max_new_cap, chunk_steps, wake) < 1 or cache_size < 2:
-            raise ValueError("max_batch, max_new_cap, chunk_steps, wake >= 1 and cache_size >= 2")
+                 widths: tuple[int, ...] | None = None, wake: int = 1,
+                 admit_rows: int = 64):  # fmt: skip
+        if min(max_batch, max_new_cap, chunk_steps, wake, admit_rows) < 1 or cache_size < 2:
+            raise ValueError("max_batch, max_new_cap, chunk_steps, wake, admit_rows >= 1 and "
+                             "cache_size >= 2")  # fmt: skip
         if target.sharding is not None:
             raise ValueError("the serving engine runs on one device (target has a mesh)")
         self.widths = ladder(max_batch, widths)
@@ -125,6 +136,7 @@ class Engine:
         if drafter is not None:
             self._drafting_plans(drafter, block_size, menu, cost)
         self.greedy, self.chunk_steps, self.wake = True, chunk_steps, wake
+        self.admit_rows = admit_rows
         self.seed = seed
         self.waiting: collections.deque[Request] = collections.deque()
         self.width = self.widths[0]  # the width the pool runs at now
@@ -306,19 +318,24 @@ class Engine:
         return self._axes[width]
 
     def _admit(self) -> None:
-        """Fill free slots with the admissible head of the queue."""
+        """Fill free slots with the admissible head of the queue, `admit_rows` at a time."""
         free = [b for b, r in enumerate(self.slots) if r is None]
         take = self._admissible()[: len(free)]
-        if not take:
-            return
         for _ in take:
             self.waiting.popleft()
+        G = min(self.admit_rows, self.width)
+        for i in range(0, len(take), G):
+            self._prefill(take[i : i + G], free[i : i + G])
+
+    def _prefill(self, take: list[Request], free: list[int]) -> None:
+        """One admission program: requests `take` into pool rows `free`. Its shape is bucketed
+        (rows to a power of two, the prompt length to a half-octave step), so a stream of
+        requests meets a handful of compiled prefills."""
         mode = mode_of(take[0])
         self.greedy = mode.greedy
         W = self.width
-        A = min(1 << (len(take) - 1).bit_length(), W)  # bucket: powers of two
-        longest = max(len(r.tokens) for r in take)
-        P = min(max(16, 1 << (longest - 1).bit_length()), self.S)  # few prefill compiles
+        A = min(1 << (len(take) - 1).bit_length(), W)
+        P = min(prompt_bucket(max(len(r.tokens) for r in take)), self.S)
         tokens = np.zeros((A, P), np.int32)
         lens, slots = np.ones(A, np.int32), np.full(A, W, np.int32)
         max_new, temps = np.ones(A, np.int32), np.ones(A, np.float32)
@@ -331,15 +348,17 @@ class Engine:
             seeds[i] = r.seed if r.seed is not None else (self.seed * 1_000_003 + r.id) % 2**32
             stop[i, : len(r.stop)] = r.stop
             self.slots[b], self.sent[b] = r, 0
-        state = dataclasses.replace(self.pool.state, top_p=jnp.float32(mode.top_p))
-        tg, ts, dg, ds = self._graphs()
-        args = (self.pool._replace(state=state),
-                *map(jnp.asarray, (tokens, lens, slots, max_new, stop, temps, seeds)),
+        top_p = jnp.float32(mode.top_p)
+        pre, keys = pool.prefill_rows(self.target, self.drafter, jnp.asarray(tokens),
+                                      jnp.asarray(lens), jnp.asarray(seeds), jnp.asarray(temps),
+                                      top_p, greedy=self.greedy)  # fmt: skip
+        state = dataclasses.replace(self.pool.state, top_p=top_p)
+        args = (self.pool._replace(state=state), pre,
+                *map(jnp.asarray, (lens, slots, max_new, stop, temps)), keys,
                 self.priors[W])  # fmt: skip
         plan = dataclasses.replace(self.plan, greedy=self.greedy)
-        fn = self.target.executables.get(pool.admit, tg, ts, dg, ds, *args, options=self._xla,
-                                         plan=plan)  # fmt: skip
-        self.pool = fn(ts, ds, *args)
+        fn = self.target.executables.get(pool.admit, *args, options=self._xla, plan=plan)
+        self.pool = fn(*args)
 
     def _collect(self) -> list[Update]:
         state = self.pool.state

@@ -2,8 +2,10 @@
 
     empty   a pool of B free slots: the DecodeState of kdj/decode/loop.py (with the
             drafter's cache and feature queue when the pool drafts), every row done
-    admit   prefill newcomers into rows of the pool (target and drafter K/V, lengths, the
-            rows' budgets, stops, keys, temperatures; their feature queues emptied)
+    admit   write newcomers, prefilled by `prefill_rows` (compiled per rows x prompt
+            length, whatever the pool's width), into rows of the pool (target and drafter
+            K/V, lengths, the rows' budgets, stops, keys, temperatures; their feature
+            queues emptied)
     chunk   the loop's own body (loop.body: plain_step, drafted_step, or auto's runs of
             plain and drafted steps) over the whole pool, until `wake` running slots have
             finished (serving: 1; data generation: a share of the pool), all are done, or a
@@ -104,24 +106,29 @@ def _put(pool: KVCache, new: KVCache, slots, lens) -> KVCache:
     )  # fmt: skip
 
 
-@functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "plan"), donate_argnames=("pool",))
-def admit(tgraph, tstate, dgraph, dstate, pool: Pool, tokens, lens, slots, max_new, stop, temps,
-          seeds, prior, *, plan: Plan) -> Pool:  # fmt: skip
-    """Prefill newcomers tokens [A, P] (with the drafter's context when the pool drafts) and
-    write them into pool rows `slots` [A] (B: padding, dropped). The prefill caches hold P
-    slots only: the pool keeps the rest. prior [len(plan.menu)]: auto's priors, which the
-    rows' forecasts restart from."""
-    greedy = plan.greedy
-    state = pool.state
-    target = nnx.merge(tgraph, tstate)
+def prefill_rows(target, drafter, tokens, lens, seeds, temps, top_p, *, greedy: bool):
+    """The newcomers' prefill, tokens [A, P]: their caches hold P slots only (the pool keeps
+    the rest), so the compiled program depends on (A, P) and not on the pool's width.
+    Returns (Prefilled, the rows' keys)."""
     A, P = tokens.shape
-    dtype = state.tcache.k[0].dtype
-    cache, dcache = init_cache(target.cfg, A, P, dtype), None
-    if dgraph is not None:
-        dcache = init_cache(nnx.merge(dgraph, dstate).cfg.layers, A, P, dtype)
+    cache = init_cache(target.cfg, A, P, target.dtype)
+    dcache = None if drafter is None else init_cache(drafter.cfg.layers, A, P, target.dtype)
     keys = request_keys(seeds, shared=True)  # a request's samples: (its seed, position)
-    pre = loop.prefill(tgraph, tstate, dgraph, dstate, tokens, lens, cache, dcache, keys,
-                       temps, state.top_p, greedy=greedy)  # fmt: skip
+    tg, ts = target.graphdef, target.state
+    dg, ds = (None, None) if drafter is None else (drafter.graphdef, drafter.state)
+    fn = target.executables.get(loop.prefill, tg, ts, dg, ds, tokens, lens, cache, dcache, keys,
+                                temps, top_p, options=target.cfg.kernels.compiler_options(),
+                                greedy=greedy)  # fmt: skip
+    return fn(ts, ds, tokens, lens, cache, dcache, keys, temps, top_p), keys
+
+
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("pool",))
+def admit(pool: Pool, pre: Prefilled, lens, slots, max_new, stop, temps, keys, prior, *,
+          plan: Plan) -> Pool:  # fmt: skip
+    """Write prefilled newcomers (`prefill_rows`) into pool rows `slots` [A] (B: padding,
+    dropped). prior [len(plan.menu)]: auto's priors, which the rows' forecasts restart from."""
+    state = pool.state
+    A = lens.shape[0]
     N = state.out.shape[1]
     row = jnp.zeros((A, N), jnp.int32).at[:, 0].set(pre.first)
     done = is_stop(pre.first, stop) | (max_new <= 1)
@@ -136,7 +143,7 @@ def admit(tgraph, tstate, dgraph, dstate, pool: Pool, tokens, lens, slots, max_n
         stop_ids=set_(state.stop_ids, stop), temperature=set_(state.temperature, temps),
         key=set_(state.key, keys),
     )  # fmt: skip
-    if dgraph is not None:  # the rows' queues start empty, as after a prefill alone
+    if pre.dcache is not None:  # the rows' queues start empty, as after a prefill alone
         state = dataclasses.replace(
             state, dcache=_put(state.dcache, pre.dcache, slots, lens),
             pending=set_(state.pending, 0), n_pend=set_(state.n_pend, 0),

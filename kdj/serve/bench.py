@@ -3,7 +3,9 @@
 At each concurrency C, C clients stream chat completions back to back until `requests`
 (at least C) have completed. Per request: time to first token (TTFT), inter-token latency
 (ITL: (end - first token) / (tokens - 1)) and tokens per second seen by its user; per level:
-aggregate tokens per second (all completion tokens / wall time) and p50 / p99 of the rest.
+aggregate tokens per second (all completion tokens / wall time) and p50 / p99 of the rest,
+over the requests that completed; refused or failed ones are counted (`errors`, with the
+first one's message), and a level where every request failed stops the sweep.
 """
 
 from __future__ import annotations
@@ -52,17 +54,23 @@ async def one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: in
 async def level(url, model, prompts, lengths, concurrency, requests, timeout) -> dict:
     jobs = list(range(max(requests, concurrency)))
     samples: list[Sample] = []
+    errors: list[str] = []  # refused or failed requests: counted, the level goes on
     async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
 
         async def user():
             while jobs:
                 i = jobs.pop()
-                samples.append(await one(client, model, prompts[i % len(prompts)],
-                                         lengths[i % len(lengths)]))  # fmt: skip
+                try:
+                    samples.append(await one(client, model, prompts[i % len(prompts)],
+                                             lengths[i % len(lengths)]))  # fmt: skip
+                except (RuntimeError, httpx.HTTPError) as e:
+                    errors.append(str(e) or type(e).__name__)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(user() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
+    if not samples:
+        raise RuntimeError(f"every request at concurrency {concurrency} failed: {errors[0]}")
     total = sum(s.tokens for s in samples)
 
     def pct(xs, q):
@@ -71,7 +79,8 @@ async def level(url, model, prompts, lengths, concurrency, requests, timeout) ->
 
     ttft, itl = [s.ttft_s for s in samples], [s.itl_s for s in samples]
     return {
-        "concurrency": concurrency, "requests": len(samples), "tokens": total, "wall_s": wall,
+        "concurrency": concurrency, "requests": len(samples), "errors": len(errors),
+        "first_error": errors[0] if errors else None, "tokens": total, "wall_s": wall,
         "tok_s": total / wall,
         "tok_s_per_user": float(np.mean([s.tokens / s.seconds for s in samples])),
         "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
@@ -102,12 +111,12 @@ def run(url: str, prompts: list[str], concurrency: list[int], max_tokens: tuple[
 
 
 def table(report: dict) -> str:
-    head = f"{'C':>5} {'reqs':>5} {'tok/s':>9} {'tok/s/user':>10} {'TTFT p50':>9} " \
-           f"{'p99':>8} {'ITL p50':>8} {'p99':>8}"  # fmt: skip
+    head = f"{'C':>5} {'reqs':>5} {'errs':>5} {'tok/s':>9} {'tok/s/user':>10} " \
+           f"{'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8}"  # fmt: skip
     lines = [head]
     for r in report["rows"]:
-        lines.append(f"{r['concurrency']:>5} {r['requests']:>5} {r['tok_s']:>9.1f} "
-                     f"{r['tok_s_per_user']:>10.1f} {r['ttft_p50_s'] * 1e3:>7.0f}ms "
-                     f"{r['ttft_p99_s'] * 1e3:>6.0f}ms {r['itl_p50_s'] * 1e3:>6.1f}ms "
-                     f"{r['itl_p99_s'] * 1e3:>6.1f}ms")  # fmt: skip
+        lines.append(f"{r['concurrency']:>5} {r['requests']:>5} {r['errors']:>5} "
+                     f"{r['tok_s']:>9.1f} {r['tok_s_per_user']:>10.1f} "
+                     f"{r['ttft_p50_s'] * 1e3:>7.0f}ms {r['ttft_p99_s'] * 1e3:>6.0f}ms "
+                     f"{r['itl_p50_s'] * 1e3:>6.1f}ms {r['itl_p99_s'] * 1e3:>6.1f}ms")  # fmt: skip
     return "\n".join(lines)
