@@ -300,9 +300,24 @@ def test_a_pool_that_wakes_late_gives_the_same_tokens_and_steps(pair, greedy_alo
         assert steps3 == steps1 and sum(steps3) < sum(len(t) - 1 for t in tokens3)
 
 
-def test_prompt_buckets_are_half_octaves():
+def test_prompt_buckets_are_powers_of_two():
     from kdj.decode.engine import prompt_bucket
 
-    got = [prompt_bucket(n) for n in (1, 16, 17, 24, 25, 33, 49, 65, 97, 300, 385, 513)]
-    assert got == [16, 16, 24, 24, 32, 48, 64, 96, 128, 384, 512, 768]
-    assert all(n <= prompt_bucket(n) <= max(16, 1.5 * n) for n in range(1, 3000))
+    got = [prompt_bucket(n) for n in (1, 16, 17, 33, 300, 512, 513)]
+    assert got == [16, 16, 32, 64, 512, 512, 1024]
+    assert all(n <= prompt_bucket(n) < max(16, 2 * n) + 1 for n in range(1, 3000))
+
+
+def test_bulk_admission_prefills_whole_groups(pair):
+    """wake >= admit_rows: while more requests wait than one group, newcomers are admitted
+    in whole groups (one prefill shape); the queue's tail comes in as it is."""
+    target, _ = pair
+    engine = Engine(target, 8, 64, 6, chunk_steps=64, widths=(8,), wake=3, admit_rows=3)
+    rows = []
+    prefill = engine._prefill
+    engine._prefill = lambda take, free: (rows.append(len(take)), prefill(take, free))
+    for i in range(11):
+        engine.submit(Request([1 + i % 5, 2], 6, []))
+    while engine.busy:
+        engine.step()
+    assert rows[:2] == [3, 3] and set(rows[:-1]) == {3} and sum(rows) == 11

@@ -2,9 +2,9 @@
 
     host                                  device (kdj/decode/pool.py)
     admit waiting requests into free  ->  prefill only those rows, `admit_rows` at a time
-    slots                                 (bucketed: rows to a power of two, prompts to a
-                                          half-octave length, `prompt_bucket`), their target
-                                          and drafter K/V and state written in
+    slots                                 (bucketed: rows and prompt lengths to powers of
+                                          two, `prompt_bucket`), their target and drafter
+                                          K/V and state written in
     re-enter                          ->  ONE while_loop of the decode loop's own body over
                                           the whole pool (plain_step; with a drafter, DFlash's
                                           or DDTree's drafted_step, or auto's runs of both),
@@ -50,10 +50,9 @@ HISTORY = 4096  # chunks whose width the engine remembers (chunk_widths)
 
 
 def prompt_bucket(n: int) -> int:
-    """The prefill length for a longest prompt of n tokens: the smallest of 16, 24, 32, 48,
-    64, 96, ... that holds it (at most 1.5x padding, two compiled lengths per octave)."""
-    p = max(16, 1 << (n - 1).bit_length())
-    return 3 * p // 4 if 3 * p // 4 >= n and p > 16 else p
+    """The prefill length for a longest prompt of n tokens: the power of two >= 16 that holds
+    it (one compiled prefill per octave; prefill is a small share of a request's work)."""
+    return max(16, 1 << (n - 1).bit_length())
 
 
 @dataclasses.dataclass
@@ -103,7 +102,9 @@ class Engine:
     neighbours; without a seed of its own it gets one from `seed` and its id. The device
     runs `chunk_steps` steps at most, and returns early once `wake` slots have finished:
     1 serves each finished request at once; more keeps finished slots idle a little longer
-    for fewer host turns (bulk generation). Not thread-safe: one thread drives `step`.
+    for fewer host turns (bulk generation: with wake >= admit_rows, newcomers are admitted
+    in whole groups of admit_rows while more wait, so every prefill has one shape). Not
+    thread-safe: one thread drives `step`.
     widths: the ladder of compiled widths (ascending, ending at max_batch; default powers of
     4 below it); `menu` and `cost` may then be one per width (a mapping width -> value).
     What ran: `width` (now), `chunk_widths` (each recent chunk's width), `resizes`."""
@@ -321,16 +322,20 @@ class Engine:
         """Fill free slots with the admissible head of the queue, `admit_rows` at a time."""
         free = [b for b, r in enumerate(self.slots) if r is None]
         take = self._admissible()[: len(free)]
+        G = min(self.admit_rows, self.width)
+        if self.wake >= G and len(self.waiting) > len(take):  # bulk, more to come: whole
+            whole = take[: len(take) // G * G]  # groups, so every prefill has one shape
+            if whole or any(r is not None for r in self.slots):  # (an idle pool takes all)
+                take = whole
         for _ in take:
             self.waiting.popleft()
-        G = min(self.admit_rows, self.width)
         for i in range(0, len(take), G):
             self._prefill(take[i : i + G], free[i : i + G])
 
     def _prefill(self, take: list[Request], free: list[int]) -> None:
         """One admission program: requests `take` into pool rows `free`. Its shape is bucketed
-        (rows to a power of two, the prompt length to a half-octave step), so a stream of
-        requests meets a handful of compiled prefills."""
+        (rows and the prompt length to powers of two), so a stream of requests meets a
+        handful of compiled prefills."""
         mode = mode_of(take[0])
         self.greedy = mode.greedy
         W = self.width
@@ -389,14 +394,15 @@ def generate_stream(target: Target, prompts: list[list[int]], max_batch: int, ma
                     top_p: float = 1.0, seed: int = 0, seeds: list[int] | None = None,
                     chunk_steps: int = 32, drafter: Drafter | None = None,
                     block_size: int | None = None, menu: tuple[DraftShape, ...] = (),
-                    cost=None, calibration: float = 1.0, widths=None,
-                    wake: int = 1) -> Streamed:  # fmt: skip
+                    cost=None, calibration: float = 1.0, widths=None, wake: int = 1,
+                    admit_rows: int = 64) -> Streamed:  # fmt: skip
     """Every prompt (token ids) streamed through a pool of `max_batch` slots (drafting with
     `drafter`, at the ladder `widths`, as `Engine` does). seeds: one per prompt (its
     samples then do not depend on the other prompts); else each is derived from `seed`."""
     engine = Engine(target, max_batch, cache_size, max(max_new), drafter=drafter,
                     block_size=block_size, menu=menu, cost=cost, calibration=calibration,
-                    chunk_steps=chunk_steps, seed=seed, widths=widths, wake=wake)  # fmt: skip
+                    chunk_steps=chunk_steps, seed=seed, widths=widths, wake=wake,
+                    admit_rows=admit_rows)  # fmt: skip
     seeds = seeds if seeds is not None else [None] * len(prompts)
     ids = [engine.submit(Request(list(p), m, list(s), temperature, top_p, seed))
            for p, m, s, seed in zip(prompts, max_new, stop, seeds)]  # fmt: skip

@@ -356,20 +356,22 @@ def respond(target, prompts, pool_size, max_new_tokens, temperature, seed, capac
     """The target's responses (AR) to prompts, streamed through a pool of `pool_size` slots
     that refills as responses finish (kdj/decode/engine.py: the serving engine), so no slot
     idles until the longest response of a batch ends. The pool returns to the host once an
-    eighth of it has finished, not at every finish, and the refill prefills them in a few
-    calls; it runs at two widths only (full, and a quarter for the stream's tail), so
-    there are few programs to compile. Prompts go in length order: groups pad little."""
+    eighth of it has finished, not at every finish, and refills it in whole groups of that
+    size (one prefill shape per prompt length); it runs at two widths only (full, and a
+    quarter for the stream's tail), so there are few programs to compile. Prompts go in
+    length order: groups pad little."""
     from kdj.decode.engine import generate_stream
 
     if not prompts:
         return Responses([], 0.0)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     stop = sorted(target.tokenizer.stop_ids if target.tokenizer else target.cfg.eos_token_ids)
+    wake = max(1, pool_size // 8)
     t0 = time.perf_counter()
     out = generate_stream(
         target, [prompts[i] for i in order], pool_size, [max_new_tokens] * len(prompts),
         [stop] * len(prompts), cache_size=capacity, temperature=temperature, seed=seed,
-        wake=max(1, pool_size // 8), widths=tuple(sorted({max(1, pool_size // 4), pool_size})),
+        wake=wake, admit_rows=wake, widths=tuple(sorted({max(1, pool_size // 4), pool_size})),
     )  # fmt: skip
     seconds = time.perf_counter() - t0
     tokens: list[list[int]] = [[] for _ in prompts]
