@@ -321,3 +321,23 @@ def test_bulk_admission_prefills_whole_groups(pair):
     while engine.busy:
         engine.step()
     assert rows[:2] == [3, 3] and set(rows[:-1]) == {3} and sum(rows) == 11
+
+
+def test_a_bulk_stream_compiles_one_prefill_per_prompt_length(pair):
+    """Bulk generation (kdj.train.data.respond's settings) over prompts of 2..40 tokens
+    (three power-of-two lengths) and ragged budgets: whole groups give one prefill program
+    per length, plus one for the queue's tail, whatever the pool's widths (admitting
+    whatever is free would also compile the groups' ragged remainders)."""
+    from kdj.decode import loop
+    from kdj.decode.engine import generate_stream
+
+    target, _ = pair
+    rng = np.random.default_rng(5)
+    prompts = sorted((rng.integers(0, 12, int(k)).tolist() for k in rng.integers(2, 41, 60)),
+                     key=len)  # fmt: skip
+    before = len(target.executables.compiled(loop.prefill))
+    budgets = [int(m) for m in rng.integers(1, 25, 60)]
+    out = generate_stream(target, prompts, 8, budgets, [[]] * 60, cache_size=64, wake=4,
+                          admit_rows=4, widths=(2, 8))  # fmt: skip
+    assert len(out.tokens) == 60 and all(out.tokens)
+    assert len(target.executables.compiled(loop.prefill)) - before <= 3 + 1
