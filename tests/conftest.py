@@ -1,4 +1,5 @@
-"""Shared fixtures: the real SmolLM2-135M-Instruct weights, read once per test session.
+"""Shared fixtures: the real SmolLM2-135M-Instruct weights, read once per test session, and
+the tiny 12-token pair of the serving tests.
 
 The whole session runs with 8 virtual CPU devices (set before JAX starts), so the sharding
 tests can build real meshes; everything else runs on the default device as usual.
@@ -55,6 +56,20 @@ def hf_reference(smollm2):
         model = transformers.LlamaForCausalLM(hf_cfg)
     out = mg.load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)
     return out["config"], {k: v.float().numpy() for k, v in out["tensors"].items()}
+
+
+@pytest.fixture(scope="module")
+def vocab12_pair(tmp_path_factory):
+    """(target, drafter): a tiny random Qwen3-format target (3 layers, float32) and a random
+    drafter. A 12-token vocabulary: the random drafter's drafts are accepted often enough."""
+    import kdj
+    from tests.hf_models import build
+    from tests.test_speculative import make_drafter
+
+    path = tmp_path_factory.mktemp("qwen3v12")
+    build("qwen3", path, vocab_size=12, num_hidden_layers=3)
+    target = kdj.load_target(path, dtype="float32")
+    return target, make_drafter(target, ids=(0, 1))
 
 
 @pytest.fixture(autouse=True, scope="module")

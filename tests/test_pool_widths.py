@@ -1,7 +1,7 @@
 """The slot pool at several compiled widths (kdj/decode/widths.py): the ladder, the resize
 program moving every per-slot array with its slot, and an engine whose load rises and falls
 (it grows and shrinks several times) giving each request what it gets alone. The tiny pair
-of tests/test_serve.py (a 12-token vocabulary: drafts are accepted often)."""
+of tests/conftest.py (vocab12_pair: drafts are accepted often)."""
 
 from __future__ import annotations
 
@@ -17,19 +17,9 @@ from kdj.cost import StepCost
 from kdj.decode import auto, widths
 from kdj.decode.engine import Engine, Request
 from kdj.decode.tree import DraftShape
-from tests.hf_models import build
 from tests.test_adaptive import switching  # noqa: F401 (a fixture)
-from tests.test_speculative import make_drafter
 
 LADDER = (1, 2, 4, 8)
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3v12")
-    build("qwen3", path, vocab_size=12, num_hidden_layers=3)
-    target = kdj.load_target(path, dtype="float32")
-    return target, make_drafter(target, ids=(0, 1))
 
 
 def test_the_ladder():
@@ -76,12 +66,12 @@ def stamp(x, axis):
     return (rows * 10 + jnp.arange(x.size).reshape(x.shape) % 7).astype(x.dtype)
 
 
-def test_resize_moves_every_per_slot_field_with_its_slot(pair):
+def test_resize_moves_every_per_slot_field_with_its_slot(vocab12_pair):
     """Pack the live rows of a width-4 auto pool into width 2, then spread them into width
     4 again: every per-slot field (caches, lengths, tokens, budgets, stops, keys,
     temperatures, feature queue, stats, auto's forecasts, steps) follows its slot; fresh
     rows are free slots; what is the batch's carries over. Fails if one field stays put."""
-    target, drafter = pair
+    target, drafter = vocab12_pair
     menu = auto.parse_menu("auto", ["none", "chain", "tree3"], 6, None)
     engine = Engine(target, 4, 32, 8, drafter=drafter, menu=menu, widths=(2, 4))
     make, src_plan = engine._empty, engine.plans[4]
@@ -117,10 +107,10 @@ def test_resize_moves_every_per_slot_field_with_its_slot(pair):
     assert sum(a is not None for a in axes[4]) == len(per_slot_fields(pool4))
 
 
-def test_a_forecast_follows_its_entry_across_menus(pair):
+def test_a_forecast_follows_its_entry_across_menus(vocab12_pair):
     """A width with another priced menu: each slot's forecast of an entry on both menus
     moves with it; an entry new to the slots starts from its prior."""
-    target, drafter = pair
+    target, drafter = vocab12_pair
     chain, tree3, tree12 = (DraftShape("chain", 5), DraftShape("tree", 3),
                             DraftShape("tree", 12))  # fmt: skip
     none = DraftShape("none")
@@ -176,21 +166,21 @@ def moves(chunk_widths):
 
 
 @pytest.fixture(scope="module")
-def greedy_alone(pair):
-    target, _ = pair
+def greedy_alone(vocab12_pair):
+    target, _ = vocab12_pair
     prompts, budgets, *_ = waves()
     return kdj.generate(target, prompts, method="ar", max_new_tokens=budgets,
                         stop_tokens=[]).tokens  # fmt: skip
 
 
 @pytest.mark.parametrize("method", ["ar", "auto"])  # auto drafts and skips: both paths
-def test_rising_and_falling_load_token_identical(pair, greedy_alone, method, request):
+def test_rising_and_falling_load_token_identical(vocab12_pair, greedy_alone, method, request):
     """Greedy AR, DFlash, DDTree and auto through a pool of 8 at widths 1/2/4/8 whose load
     rises and falls: every prompt's tokens are what it gets alone, the pool grew and shrank
     several times, and ran at every width. auto has a menu of its own at each width (8: none
     but "none") and its choices scrambled (every entry, and runs that skip the drafter), so
     resizes move forecasts between menus mid-run."""
-    target, drafter = pair
+    target, drafter = vocab12_pair
     prompts, budgets, sizes, gaps = waves()
     kw = {}
     if method != "ar":
@@ -209,10 +199,10 @@ def test_rising_and_falling_load_token_identical(pair, greedy_alone, method, req
     assert engine.method == method
 
 
-def test_rising_and_falling_load_sampled_dflash_as_alone(pair):
+def test_rising_and_falling_load_sampled_dflash_as_alone(vocab12_pair):
     """Sampled DFlash (temperature 1, a seed per prompt) through the rising and falling
     pool: each prompt's samples are what it draws alone."""
-    target, drafter = pair
+    target, drafter = vocab12_pair
     prompts, budgets, sizes, gaps = waves(10, seed=4)
     sizes, gaps = [1, 5, 1, 3], [2, 3, 5, 0]
     seeds = [100 + i for i in range(len(prompts))]
@@ -226,9 +216,9 @@ def test_rising_and_falling_load_sampled_dflash_as_alone(pair):
     assert min(moves(engine.chunk_widths)) >= 1
 
 
-def test_a_full_pool_never_resizes(pair):
+def test_a_full_pool_never_resizes(vocab12_pair):
     """A pool kept full by its queue runs every chunk at its full width."""
-    target, _ = pair
+    target, _ = vocab12_pair
     prompts, budgets, *_ = waves()
     engine = Engine(target, 4, 64, 23, chunk_steps=3, widths=(1, 2, 4))
     for p, m in zip(prompts, budgets):
@@ -238,12 +228,12 @@ def test_a_full_pool_never_resizes(pair):
     assert set(engine.chunk_widths) == {4} and engine.resizes == 0
 
 
-def test_auto_is_priced_at_each_width(pair):
+def test_auto_is_priced_at_each_width(vocab12_pair):
     """Steps whose cost grows with their rows (each verified token-row a tenth of a plain
     step's fixed cost): at width 1 drafting pays and stays on the menu, at 8 nothing but
     "none" would; that width keeps the cheapest draft shape so its slots keep the drafter's
     context (auto there skips the drafter unless the slots' forecasts say it pays)."""
-    target, drafter = pair
+    target, drafter = vocab12_pair
     drafter = dataclasses.replace(drafter, prior_acceptance=2.0)
     base = StepCost.for_config(target.cfg)
     row = base.flops_per_token + 16 * base.attn_flops_per_context  # a token-row's flops

@@ -86,21 +86,12 @@ def test_max_batch_must_be_positive(target):
         kdj.generate(target, [[1, 2], [3, 4]], method="ar", max_batch=0)
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """A 12-token vocabulary: the random drafter's drafts are accepted often enough."""
-    path = tmp_path_factory.mktemp("qwen3v12")
-    build("qwen3", path, vocab_size=12, num_hidden_layers=3)
-    target = kdj.load_target(path, dtype="float32")
-    return target, make_drafter(target, ids=(0, 1))
-
-
 @pytest.mark.parametrize("spec", [{"method": "dflash"}, {"method": "ddtree", "tree_budget": 6}],
                          ids=["dflash", "ddtree6"])  # fmt: skip
-def test_pool_drafts_token_identical(pair, spec):
+def test_pool_drafts_token_identical(vocab12_pair, spec):
     """More prompts than slots, ragged, mixed budgets: each prompt's tokens and steps are
     what it gets alone, and drafts were accepted (steps < tokens - 1)."""
-    target, drafter = pair
+    target, drafter = vocab12_pair
     rng = np.random.default_rng(6)
     prompts = [rng.integers(0, 12, int(n)).tolist() for n in rng.integers(2, 16, 5)]
     budgets = [int(m) for m in rng.choice([7, 23], 5)]
@@ -114,10 +105,10 @@ def test_pool_drafts_token_identical(pair, spec):
 
 
 @pytest.mark.parametrize("method", ["dflash", "auto"])
-def test_pool_drafts_sampled_as_alone(pair, method):
+def test_pool_drafts_sampled_as_alone(vocab12_pair, method):
     """Sampled DFlash or auto with a seed per prompt: each prompt's samples are what it
     draws alone (per-slot temperatures reach the verify pass's [B, T, V] logits)."""
-    target, drafter = pair
+    target, drafter = vocab12_pair
     prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7]]
     run = dict(drafter=drafter, method=method, max_new_tokens=12, stop_tokens=[],
                temperature=0.9, top_p=0.9)  # fmt: skip
@@ -134,11 +125,11 @@ def ragged(n, seed):
     return prompts, [int(m) for m in rng.choice([7, 23], n)]
 
 
-def test_pool_auto_token_identical(pair):
+def test_pool_auto_token_identical(vocab12_pair):
     """auto streamed through a pool of 2 (5 ragged prompts, mixed budgets): each prompt's
     tokens are what auto gives it alone and what plain greedy gives it; drafts were
     accepted, and the menu priced for the pool is what ran."""
-    target, drafter = pair
+    target, drafter = vocab12_pair
     prompts, budgets = ragged(5, 7)
     run = dict(drafter=drafter, method="auto", stop_tokens=[])
     out = kdj.generate(target, prompts, max_batch=2, max_new_tokens=budgets, **run)
@@ -153,11 +144,11 @@ def test_pool_auto_token_identical(pair):
         Engine(target, 2, 64, 8, drafter=drafter, menu=(DraftShape("none"),))
 
 
-def test_pool_admission_resets_the_slots_forecast(pair):
+def test_pool_admission_resets_the_slots_forecast(vocab12_pair):
     """A request admitted into the slot another auto request drafted in starts from the
     priors, not from that request's forecasts (one slot; the newcomer ends at admission, so
     no step runs after it)."""
-    target, drafter = pair
+    target, drafter = vocab12_pair
     menu = auto.parse_menu("auto", None, 6, None)
     engine = Engine(target, max_batch=1, cache_size=64, max_new_cap=23, drafter=drafter,
                     menu=menu)  # fmt: skip

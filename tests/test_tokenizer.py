@@ -1,4 +1,5 @@
-"""kdj.tokenizer: GGUF / tokenizer.json / Kimi tiktoken tokenizers and chat prompts."""
+"""kdj.tokenizer and kdj.chat_template: GGUF / tokenizer.json / Kimi tiktoken tokenizers and chat
+prompts."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 
 import pytest
 
-from kdj import tokenizer as kt
+from kdj import chat_template
 from kdj.tokenizer import load_tokenizer
 
 # Varied text: digits, unicode, emoji, code, whitespace runs, chat special tokens.
@@ -157,14 +158,14 @@ def test_chat_template_matches_gguf_template(smol, hf_smol, monkeypatch, message
         hf = hf_smol.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
         assert hf == expected
     # the built-in ChatML (used when jinja2 is not installed) gives the same string
-    monkeypatch.setattr(kt, "_compile_template", lambda source: None)
+    monkeypatch.setattr(chat_template, "compile_template", lambda source: None)
     assert smol.apply_chat_template(messages, add_generation_prompt=gen) == expected
 
 
 def test_chat_prompt_text(smol):
     prompt = smol.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert prompt == (
-        f"<|im_start|>system\n{kt.SMOLLM_SYSTEM}<|im_end|>\n"
+        f"<|im_start|>system\n{chat_template.SMOLLM_SYSTEM}<|im_end|>\n"
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     )
     ids = smol.encode(prompt)
