@@ -254,14 +254,14 @@ def test_auto_is_priced_at_each_width(vocab12_pair):
 
 # ------------------------------------------------------------------ waking late
 @pytest.mark.parametrize("method", ["ar", "dflash", "auto"])
-def test_a_pool_that_wakes_late_gives_the_same_tokens_and_steps(pair, greedy_alone, method,
+def test_a_pool_that_wakes_late_gives_the_same_tokens_and_steps(vocab12_pair, greedy_alone, method,
                                                                  request):  # fmt: skip
     """wake=3 (bulk generation): the device runs on past finished slots until three have
     finished, so the host turns are fewer, and newcomers are prefilled three rows at a time
     (admit_rows: several prefill calls per admission); every request still gets its tokens
     alone, and its steps are the steps it ran (those of the pool that wakes at every finish:
     a finished slot riding along is not counted)."""
-    target, drafter = pair
+    target, drafter = vocab12_pair
     prompts, budgets, *_ = waves()
     kw = {}
     if method != "ar":
@@ -298,10 +298,10 @@ def test_prompt_buckets_are_powers_of_two():
     assert all(n <= prompt_bucket(n) < max(16, 2 * n) + 1 for n in range(1, 3000))
 
 
-def test_bulk_admission_prefills_whole_groups(pair):
+def test_bulk_admission_prefills_whole_groups(vocab12_pair):
     """wake >= admit_rows: while more requests wait than one group, newcomers are admitted
     in whole groups (one prefill shape); the queue's tail comes in as it is."""
-    target, _ = pair
+    target, _ = vocab12_pair
     engine = Engine(target, 8, 64, 6, chunk_steps=64, widths=(8,), wake=3, admit_rows=3)
     rows = []
     prefill = engine._prefill
@@ -313,7 +313,7 @@ def test_bulk_admission_prefills_whole_groups(pair):
     assert rows[:2] == [3, 3] and set(rows[:-1]) == {3} and sum(rows) == 11
 
 
-def test_a_bulk_stream_compiles_one_prefill_per_prompt_length(pair):
+def test_a_bulk_stream_compiles_one_prefill_per_prompt_length(vocab12_pair):
     """Bulk generation (kdj.train.data.respond's settings) over prompts of 2..40 tokens
     (three power-of-two lengths) and ragged budgets: whole groups give one prefill program
     per length, plus one for the queue's tail, whatever the pool's widths (admitting
@@ -321,7 +321,7 @@ def test_a_bulk_stream_compiles_one_prefill_per_prompt_length(pair):
     from kdj.decode import loop
     from kdj.decode.engine import generate_stream
 
-    target, _ = pair
+    target, _ = vocab12_pair
     rng = np.random.default_rng(5)
     prompts = sorted((rng.integers(0, 12, int(k)).tolist() for k in rng.integers(2, 41, 60)),
                      key=len)  # fmt: skip
