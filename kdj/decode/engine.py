@@ -353,14 +353,13 @@ class Engine:
             seeds[i] = r.seed if r.seed is not None else (self.seed * 1_000_003 + r.id) % 2**32
             stop[i, : len(r.stop)] = r.stop
             self.slots[b], self.sent[b] = r, 0
-        top_p = jnp.float32(mode.top_p)
-        pre, keys = pool.prefill_rows(self.target, self.drafter, jnp.asarray(tokens),
-                                      jnp.asarray(lens), jnp.asarray(seeds), jnp.asarray(temps),
-                                      top_p, greedy=self.greedy)  # fmt: skip
+        top_p, lens, temps = jnp.float32(mode.top_p), jnp.asarray(lens), jnp.asarray(temps)
+        pre, keys = pool.prefill_rows(self.target, self.drafter, jnp.asarray(tokens), lens,
+                                      jnp.asarray(seeds), temps, top_p,
+                                      greedy=self.greedy)  # fmt: skip
         state = dataclasses.replace(self.pool.state, top_p=top_p)
-        args = (self.pool._replace(state=state), pre,
-                *map(jnp.asarray, (lens, slots, max_new, stop, temps)), keys,
-                self.priors[W])  # fmt: skip
+        args = (self.pool._replace(state=state), pre, lens, jnp.asarray(slots),
+                jnp.asarray(max_new), jnp.asarray(stop), temps, keys, self.priors[W])  # fmt: skip
         plan = dataclasses.replace(self.plan, greedy=self.greedy)
         fn = self.target.executables.get(pool.admit, *args, options=self._xla, plan=plan)
         self.pool = fn(*args)
