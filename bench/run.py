@@ -183,6 +183,17 @@ SUITES = {
             ),
         ),
     ),  # fmt: skip
+    "generation": Suite(
+        "bulk generation of the drafter's data: static batches against the slot pool "
+        "(kdj.train.data.respond), cold and warm response tokens/s",
+        (
+            step(
+                "generation",
+                "generation.py --prompts {prompts} --requests 4096 --pool 1024 --new 256 "
+                "--out {out}/generation.json",
+            ),
+        ),
+    ),  # fmt: skip
     "train": Suite(
         "the drafter's training step at the online config's shape: tokens/s and MFU, the "
         "chunked lm_head at three chunk sizes against the full-logits step",
