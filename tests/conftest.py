@@ -12,6 +12,10 @@ import os
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
+# Most of the suite's time is XLA compiling tiny programs that then run for milliseconds:
+# compile them with XLA's optimisation passes off (the servers the tests start inherit it).
+# Every equality the tests check compares programs compiled the same way.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

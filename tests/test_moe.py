@@ -54,7 +54,10 @@ def test_expert_paths_match_dense_loop(fn, tokens):
     w = rng.random((tokens, k)).astype(np.float32)
     wgu = np.stack([wg, wu], axis=2)  # [E, D, 2, I]
     got = np.asarray(fn(jnp.asarray(x), jnp.asarray(w), jnp.asarray(idx), wgu, wd))
-    np.testing.assert_allclose(got, dense_reference(x, w, idx, wg, wu, wd), rtol=2e-5, atol=2e-5)
+    want = dense_reference(x, w, idx, wg, wu, wd)
+    # float32 sums whose terms reach the outputs' scale (~100s): an entry that cancels to near
+    # zero keeps their rounding error, so the absolute tolerance follows that scale
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("fn", [expert_swiglu, gathered], ids=["ragged", "gathered"])
