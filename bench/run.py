@@ -183,6 +183,18 @@ SUITES = {
             ),
         ),
     ),  # fmt: skip
+    "serve": Suite(
+        "kdj serve under kdj bench-serve: AR, DFlash and auto servers at concurrency 1-256",
+        (
+            step(
+                "serve",
+                "serve_sweep.py --prompts {prompts} --configs configs/runs/smollm2.yaml "
+                "configs/runs/smollm2-dflash.yaml configs/runs/smollm2-auto.yaml "
+                "--concurrency 1 4 16 64 256 --requests 64 --max-tokens 128 "
+                "--out {out}/serve.json",
+            ),
+        ),
+    ),  # fmt: skip
     "generation": Suite(
         "bulk generation of the drafter's data: static batches against the slot pool "
         "(kdj.train.data.respond), cold and warm response tokens/s",
