@@ -224,8 +224,10 @@ def moe_layers(model) -> list:
 
 # ------------------------------------------------------------------------------ results
 def git_sha() -> str:
-    """The checkout's commit (+ "-dirty" with uncommitted changes); KDJ_GIT_SHA where the
-    tree was copied without its .git (a device machine)."""
+    """KDJ_GIT_SHA when set (a copy of the tree on a device machine, whose .git, if any, need
+    not be the tree's), else the checkout's commit (+ "-dirty" with uncommitted changes)."""
+    if os.environ.get("KDJ_GIT_SHA"):
+        return os.environ["KDJ_GIT_SHA"]
     try:
         run = functools.partial(subprocess.run, cwd=ROOT, capture_output=True, text=True,
                                 check=True)  # fmt: skip
@@ -233,7 +235,7 @@ def git_sha() -> str:
         dirty = run(["git", "status", "--porcelain", "--untracked-files=no"]).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("KDJ_GIT_SHA", "unknown")
+        return "unknown"
 
 
 def stamp(argv: list[str] | None = None) -> dict:

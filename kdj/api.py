@@ -93,9 +93,10 @@ def generate(
     ValueError before anything compiles (kdj.arguments); an argument the method does not use
     is refused, not ignored. With more prompts than `max_batch`, the prompts stream through a
     pool of max_batch slots (kdj/decode/engine.py, at the smallest of its compiled widths that
-    holds the live slots; auto's menu priced at each width):
-    each prompt's result is what it gets alone (greedy: the same tokens; stats
-    ["request_steps"] and "mean_acceptance" from each prompt's own steps).
+    holds the live slots; auto's menu priced at each width; the host refills it once an
+    eighth of it has finished, engine.bulk_wake): each prompt's result is what it gets
+    alone (greedy: the same tokens; stats["request_steps"] and "mean_acceptance" from each
+    prompt's own steps).
 
     Sampling draws the token at position p of a sequence with a key from (its seed, p)
     (kdj/decode/sampling.py): `seed` one int (each row draws its own stream from it; with
@@ -326,6 +327,7 @@ def stream(opts: Options, target, drafter, batch: Batch, max_batch, temperature,
         target, [batch.tokens[b, : batch.lens[b]].tolist() for b in range(B)], max_batch,
         batch.max_new[:B], [[int(i) for i in row if i >= 0] for row in batch.stop[:B]],
         cache_size=batch.capacity, temperature=temperature, top_p=top_p,
+        wake=engine.bulk_wake(max_batch), admit_rows=engine.bulk_wake(max_batch),
         **stream_seeds(seed, B), **drafting,
     )  # fmt: skip
     toks, texts = res.tokens, None

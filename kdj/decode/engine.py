@@ -35,6 +35,7 @@ import itertools
 from collections.abc import Mapping
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -53,6 +54,13 @@ def prompt_bucket(n: int) -> int:
     """The prefill length for a longest prompt of n tokens: the power of two >= 16 that holds
     it (one compiled prefill per octave; prefill is a small share of a request's work)."""
     return max(16, 1 << (n - 1).bit_length())
+
+
+def bulk_wake(max_batch: int) -> int:
+    """`wake` for a pool whose results are read at the end (kdj.generate, data generation):
+    the host takes its turn once an eighth of the pool has finished, not at every finish
+    (a turn costs about a step's time on a GPU), and admits in groups of that size."""
+    return max(1, max_batch // 8)
 
 
 @dataclasses.dataclass
@@ -353,23 +361,24 @@ class Engine:
             seeds[i] = r.seed if r.seed is not None else (self.seed * 1_000_003 + r.id) % 2**32
             stop[i, : len(r.stop)] = r.stop
             self.slots[b], self.sent[b] = r, 0
-        top_p, lens, temps = jnp.float32(mode.top_p), jnp.asarray(lens), jnp.asarray(temps)
-        pre, keys = pool.prefill_rows(self.target, self.drafter, jnp.asarray(tokens), lens,
-                                      jnp.asarray(seeds), temps, top_p,
-                                      greedy=self.greedy)  # fmt: skip
+        # one transfer for the admission's arrays (the host's turn is the pool's overhead)
+        tokens, lens, seeds, temps, slots, max_new, stop, top_p = jax.device_put(
+            (tokens, lens, seeds, temps, slots, max_new, stop, np.float32(mode.top_p))
+        )
+        pre, keys = pool.prefill_rows(self.target, self.drafter, tokens, lens, seeds, temps,
+                                      top_p, greedy=self.greedy)  # fmt: skip
         state = dataclasses.replace(self.pool.state, top_p=top_p)
-        args = (self.pool._replace(state=state), pre, lens, jnp.asarray(slots),
-                jnp.asarray(max_new), jnp.asarray(stop), temps, keys, self.priors[W])  # fmt: skip
+        args = (self.pool._replace(state=state), pre, lens, slots, max_new, stop, temps, keys,
+                self.priors[W])  # fmt: skip
         plan = dataclasses.replace(self.plan, greedy=self.greedy)
         fn = self.target.executables.get(pool.admit, *args, options=self._xla, plan=plan)
         self.pool = fn(*args)
 
     def _collect(self) -> list[Update]:
         state = self.pool.state
-        n, done, steps = np.asarray(state.n), np.asarray(state.done), np.asarray(self.pool.steps)
+        # one transfer per chunk (the whole out buffer: a slice would compile per length)
+        n, done, steps, out = jax.device_get((state.n, state.done, self.pool.steps, state.out))
         owned = [b for b, r in enumerate(self.slots) if r is not None]
-        hi = max(int(n[b]) for b in owned)
-        out = np.asarray(state.out[:, :hi])
         updates = []
         for b in owned:
             new = out[b, self.sent[b] : n[b]].tolist()

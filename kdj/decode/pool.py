@@ -106,20 +106,33 @@ def _put(pool: KVCache, new: KVCache, slots, lens) -> KVCache:
     )  # fmt: skip
 
 
-def prefill_rows(target, drafter, tokens, lens, seeds, temps, top_p, *, greedy: bool):
-    """The newcomers' prefill, tokens [A, P]: their caches hold P slots only (the pool keeps
-    the rest), so the compiled program depends on (A, P) and not on the pool's width.
-    Returns (Prefilled, the rows' keys)."""
+@functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "greedy"))
+def _prefill_new(tgraph, tstate, dgraph, dstate, tokens, lens, seeds, temps, top_p, *, greedy):
     A, P = tokens.shape
-    cache = init_cache(target.cfg, A, P, target.dtype)
-    dcache = None if drafter is None else init_cache(drafter.cfg.layers, A, P, target.dtype)
+    target = nnx.merge(tgraph, tstate)
+    dtype = target.embed[...].dtype
+    cache = init_cache(target.cfg, A, P, dtype)
+    dcache = None
+    if dgraph is not None:
+        dcache = init_cache(nnx.merge(dgraph, dstate).cfg.layers, A, P, dtype)
     keys = request_keys(seeds, shared=True)  # a request's samples: (its seed, position)
+    pre = loop.prefill(tgraph, tstate, dgraph, dstate, tokens, lens, cache, dcache, keys, temps,
+                       top_p, greedy=greedy)  # fmt: skip
+    return pre, keys
+
+
+def prefill_rows(target, drafter, tokens, lens, seeds, temps, top_p, *, greedy: bool):
+    """The newcomers' prefill, tokens [A, P], as one program (their empty caches and keys
+    made inside it: no eager work on the host's turn): their caches hold P slots only (the
+    pool keeps the rest), so the program depends on (A, P) and not on the pool's width.
+    Returns (Prefilled, the rows' keys)."""
     tg, ts = target.graphdef, target.state
     dg, ds = (None, None) if drafter is None else (drafter.graphdef, drafter.state)
-    fn = target.executables.get(loop.prefill, tg, ts, dg, ds, tokens, lens, cache, dcache, keys,
-                                temps, top_p, options=target.cfg.kernels.compiler_options(),
+    rows = (tokens, lens, seeds, temps, top_p)
+    fn = target.executables.get(_prefill_new, tg, ts, dg, ds, *rows,
+                                options=target.cfg.kernels.compiler_options(),
                                 greedy=greedy)  # fmt: skip
-    return fn(ts, ds, tokens, lens, cache, dcache, keys, temps, top_p), keys
+    return fn(ts, ds, *rows)
 
 
 @functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("pool",))

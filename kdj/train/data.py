@@ -360,13 +360,13 @@ def respond(target, prompts, pool_size, max_new_tokens, temperature, seed, capac
     size (one prefill shape per prompt length); it runs at two widths only (full, and a
     quarter for the stream's tail), so there are few programs to compile. Prompts go in
     length order: groups pad little."""
-    from kdj.decode.engine import generate_stream
+    from kdj.decode.engine import bulk_wake, generate_stream
 
     if not prompts:
         return Responses([], 0.0)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     stop = sorted(target.tokenizer.stop_ids if target.tokenizer else target.cfg.eos_token_ids)
-    wake = max(1, pool_size // 8)
+    wake = bulk_wake(pool_size)
     t0 = time.perf_counter()
     out = generate_stream(
         target, [prompts[i] for i in order], pool_size, [max_new_tokens] * len(prompts),
