@@ -321,13 +321,14 @@ def stream(opts: Options, target, drafter, batch: Batch, max_batch, temperature,
            tokenizer, cost=None) -> GenerateOutput:  # fmt: skip
     """generate with more prompts than max_batch: the prompts stream through the engine."""
     B, t0 = batch.B, time.perf_counter()
+    wake = engine.bulk_wake(max_batch)
     context = float(np.mean(batch.lens[:B]) + np.mean(batch.max_new[:B]) / 2)  # as make_plan's
     drafting = pool_drafting(opts, target, drafter, max_batch, batch.capacity, context, cost)
     res = engine.generate_stream(
         target, [batch.tokens[b, : batch.lens[b]].tolist() for b in range(B)], max_batch,
         batch.max_new[:B], [[int(i) for i in row if i >= 0] for row in batch.stop[:B]],
         cache_size=batch.capacity, temperature=temperature, top_p=top_p,
-        wake=engine.bulk_wake(max_batch), admit_rows=engine.bulk_wake(max_batch),
+        wake=wake, admit_rows=wake,
         **stream_seeds(seed, B), **drafting,
     )  # fmt: skip
     toks, texts = res.tokens, None

@@ -106,12 +106,11 @@ def _put(pool: KVCache, new: KVCache, slots, lens) -> KVCache:
     )  # fmt: skip
 
 
-@functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "greedy"))
-def _prefill_new(tgraph, tstate, dgraph, dstate, tokens, lens, seeds, temps, top_p, *, greedy):
+@functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "greedy", "dtype"))
+def _prefill_new(tgraph, tstate, dgraph, dstate, tokens, lens, seeds, temps, top_p, *, greedy,
+                 dtype):  # fmt: skip
     A, P = tokens.shape
-    target = nnx.merge(tgraph, tstate)
-    dtype = target.embed[...].dtype
-    cache = init_cache(target.cfg, A, P, dtype)
+    cache = init_cache(nnx.merge(tgraph, tstate).cfg, A, P, dtype)
     dcache = None
     if dgraph is not None:
         dcache = init_cache(nnx.merge(dgraph, dstate).cfg.layers, A, P, dtype)
@@ -131,7 +130,7 @@ def prefill_rows(target, drafter, tokens, lens, seeds, temps, top_p, *, greedy: 
     rows = (tokens, lens, seeds, temps, top_p)
     fn = target.executables.get(_prefill_new, tg, ts, dg, ds, *rows,
                                 options=target.cfg.kernels.compiler_options(),
-                                greedy=greedy)  # fmt: skip
+                                greedy=greedy, dtype=target.dtype)  # fmt: skip
     return fn(ts, ds, *rows)
 
 
