@@ -106,7 +106,9 @@ def sweep(config: str, prompts: list[str], args, lengths: tuple[int, int]) -> di
 def main(argv=None):
     args = parser().parse_args(argv)
     mt = args.max_tokens
-    lengths = (mt[0], mt[0]) if len(mt) == 1 else (mt[0], mt[1])
+    if len(mt) > 2 or not 1 <= mt[0] <= mt[-1]:
+        raise SystemExit(f"--max-tokens: one length N, or LO HI with 1 <= LO <= HI; got {mt}")
+    lengths = (mt[0], mt[-1])
     held = json.loads(Path(args.prompts).read_text())["sharegpt"]
     prompts = fitting_prompts(held, args.context, lengths[1])
     print(f"{len(prompts)} of {len(held)} held-out prompts fit a {args.context}-token slot")
