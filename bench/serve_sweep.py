@@ -5,9 +5,10 @@
         configs/runs/smollm2-auto.yaml --concurrency 1 4 16 64 256 --out $OUT/serve.json
 
 For each --configs YAML a real server process is started (`python -m kdj.cli serve` with
---max-batch slots, by default the largest concurrency), the sweep of kdj/serve/bench.py runs
-against it over HTTP (its warm-up pass first, so compiles stay out of the rows), and the
-server is stopped with SIGTERM. The prompts are the held-out ShareGPT turns whose chat
+--max-batch slots, by default the largest concurrency, compiling every greedy program of its
+pool before it answers /health: `--warm greedy`, timed as start_s), the sweep of
+kdj/serve/bench.py runs against it over HTTP (no warm-up pass: nothing is left to compile),
+and the server is stopped with SIGTERM. The prompts are the held-out ShareGPT turns whose chat
 prompt fits a slot with --max-tokens to spare (a longer one would be refused with a 400
 and counted as an error, not measured). Reported per config and concurrency: aggregate and
 per-user tokens/s, time to first token and inter-token latency (p50 / p99), errors.
@@ -85,13 +86,13 @@ def sweep(config: str, prompts: list[str], args, lengths: tuple[int, int]) -> di
     slots = args.max_batch or max(args.concurrency)
     cmd = [sys.executable, "-m", "kdj.cli", "serve", "--config", config, "--port",
            str(args.port), "--max-batch", str(slots), "--context", str(args.context),
-           "--max-queue", str(4 * slots)]  # fmt: skip
+           "--max-queue", str(4 * slots), "--warm", "greedy"]  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=SERVER_ENV)
     try:
         wait_healthy(url, proc, args.start_timeout)
         started = time.perf_counter() - t0
-        report = bench.run(url, prompts, args.concurrency, lengths, args.requests)
+        report = bench.run(url, prompts, args.concurrency, lengths, args.requests, warmup=False)
         print(bench.table(report), flush=True)
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -116,7 +116,8 @@ def cmd_serve(args) -> int:
                    max_batch=args.max_batch, context=args.context,
                    max_tokens=dec["max_new_tokens"], max_queue=args.max_queue,
                    chunk_steps=args.chunk_steps, temperature=dec["temperature"],
-                   top_p=dec["top_p"], seed=dec["seed"], widths=args.widths)  # fmt: skip
+                   top_p=dec["top_p"], seed=dec["seed"], widths=args.widths,
+                   warm={"all": (True, False), "greedy": (True,), "none": ()}[args.warm])  # fmt: skip
     # SIGTERM: uvicorn stops accepting, lets in-flight requests finish for up to
     # --grace seconds, then the app's shutdown cancels the rest
     uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace)
@@ -344,6 +345,10 @@ def parser() -> argparse.ArgumentParser:
                    help="compiled widths the pool runs at, ending at --max-batch (default: "
                    "1 4 16 ... below it; --widths N with N = --max-batch: one width)")  # fmt: skip
     v.add_argument("--grace", type=int, default=30, help="SIGTERM grace seconds (default: 30)")
+    v.add_argument("--warm", choices=["all", "greedy", "none"], default="all",
+                   help="compile the pool's programs before listening: for greedy and sampled "
+                   "requests, greedy only, or none (compiled as requests meet them; default: "
+                   "%(default)s)")  # fmt: skip
     v.set_defaults(fn=cmd_serve)
 
     w = sub.add_parser("bench-serve", help="concurrency sweep against an OpenAI-compatible URL")

@@ -289,14 +289,6 @@ def test_a_pool_that_wakes_late_gives_the_same_tokens_and_steps(vocab12_pair, gr
         assert steps3 == steps1 and sum(steps3) < sum(len(t) - 1 for t in tokens3)
 
 
-def test_prompt_buckets_are_powers_of_two():
-    from kdj.decode.engine import prompt_bucket
-
-    got = [prompt_bucket(n) for n in (1, 16, 17, 33, 300, 512, 513)]
-    assert got == [16, 16, 32, 64, 512, 512, 1024]
-    assert all(n <= prompt_bucket(n) < max(16, 2 * n) + 1 for n in range(1, 3000))
-
-
 def test_bulk_admission_prefills_whole_groups(vocab12_pair):
     """wake >= admit_rows: while more requests wait than one group, newcomers are admitted
     in whole groups (one prefill shape); the queue's tail comes in as it is."""
@@ -312,21 +304,28 @@ def test_bulk_admission_prefills_whole_groups(vocab12_pair):
     assert rows[:2] == [3, 3] and set(rows[:-1]) == {3} and sum(rows) == 11
 
 
-def test_a_bulk_stream_compiles_one_prefill_per_prompt_length(vocab12_pair):
-    """Bulk generation (kdj.train.data.respond's settings) over prompts of 2..40 tokens
-    (three power-of-two lengths) and ragged budgets: whole groups give one prefill program
-    per length, plus one for the queue's tail, whatever the pool's widths (admitting
-    whatever is free would also compile the groups' ragged remainders)."""
-    from kdj.decode import loop
-    from kdj.decode.engine import generate_stream
-
-    target, _ = vocab12_pair
+@pytest.mark.parametrize("method", ["ar", "dflash"])
+def test_warm_compiles_every_program_a_stream_meets(vocab12_pair, method):
+    """After `warm`, a stream over prompts of 2..40 tokens (up to five prefill chunks of 8:
+    a prompt's later chunks attend to what its earlier ones wrote) with ragged budgets,
+    through a pool that grows and shrinks, compiles nothing more, and every prompt's greedy
+    tokens are what it gets alone. Fails if a program's shape depends on a prompt's length."""
+    target, drafter = vocab12_pair
     rng = np.random.default_rng(5)
-    prompts = sorted((rng.integers(0, 12, int(k)).tolist() for k in rng.integers(2, 41, 60)),
-                     key=len)  # fmt: skip
-    before = len(target.executables.compiled(loop.prefill))
-    budgets = [int(m) for m in rng.integers(1, 25, 60)]
-    out = generate_stream(target, prompts, 8, budgets, [[]] * 60, cache_size=64, wake=4,
-                          admit_rows=4, widths=(2, 8))  # fmt: skip
-    assert len(out.tokens) == 60 and all(out.tokens)
-    assert len(target.executables.compiled(loop.prefill)) - before <= 3 + 1
+    prompts = [rng.integers(0, 12, int(k)).tolist() for k in rng.integers(2, 41, 24)]
+    budgets = [int(m) for m in rng.integers(1, 20, 24)]
+    kw = {} if method == "ar" else dict(drafter=drafter, menu=auto.parse_menu(method, None, 6, 6))
+    engine = Engine(target, 8, 64, 20, widths=(2, 8), admit_rows=4, prefill_chunk=8, **kw)
+    # a chunk per width, prefills of rows (2) at width 2 and (2, 4) at 8, two resizes
+    assert engine.warm(modes=(True,)) == 2 + 3 + 2
+    before = len(target.executables)
+    ids = [engine.submit(Request(p, m, [])) for p, m in zip(prompts, budgets)]
+    got = {i: [] for i in ids}
+    while engine.busy:
+        for u in engine.step():
+            got[u.id] += u.tokens
+    assert len(target.executables) == before
+    alone = kdj.generate(target, prompts, method="ar", max_new_tokens=budgets,
+                         stop_tokens=[]).tokens  # fmt: skip
+    assert [got[i] for i in ids] == alone
+    assert engine.resizes > 0

@@ -213,11 +213,11 @@ def run_server(app):
 
 @pytest.fixture(scope="module")
 def server(chat_target):
-    """4 slots of 64 tokens."""
+    """4 slots of 64 tokens, their greedy programs compiled before it listens."""
     from kdj.serve.app import make_app
 
     app = make_app(chat_target, "tiny", max_batch=4, context=64, max_tokens=8, max_queue=32,
-                   chunk_steps=4)  # fmt: skip
+                   chunk_steps=4, warm=(True,))  # fmt: skip
     with run_server(app) as url:
         yield url
 

@@ -1,10 +1,11 @@
 """Continuous batching: a fixed pool of B slots on the device, requests streamed through it.
 
     host                                  device (kdj/decode/pool.py)
-    admit waiting requests into free  ->  prefill only those rows, `admit_rows` at a time
-    slots                                 (bucketed: rows and prompt lengths to powers of
-                                          two, `prompt_bucket`), their target and drafter
-                                          K/V and state written in
+    admit waiting requests into free  ->  prefill only those rows, `admit_rows` at a time,
+    slots                                 `prefill_chunk` prompt tokens per call, written
+                                          straight into their rows of the pool (compiled
+                                          per width and rows bucket: a fixed set, whatever
+                                          the prompts' lengths; `warm` compiles it ahead)
     re-enter                          ->  ONE while_loop of the decode loop's own body over
                                           the whole pool (plain_step; with a drafter, DFlash's
                                           or DDTree's drafted_step, or auto's runs of both),
@@ -18,8 +19,8 @@ of a ladder (`widths`, default 1, 4, 16, 64, ... up to max_batch; kdj/decode/wid
 that holds its live slots and the requests that may join them: between chunks the host
 packs the live rows into a narrower pool, or spreads them into a wider one before admitting
 (one gather program per pair of widths). A pool that stays full never moves.
-A newcomer's prefill stalls the running slots for prefill calls of `admit_rows` rows of the
-longest waiting prompt, one per group of newcomers; a slot finishing wakes the host (`wake`:
+A newcomer's prefill stalls the running slots for ceil(longest prompt / prefill_chunk) calls
+of at most `admit_rows` rows, per group of newcomers; a slot finishing wakes the host (`wake`:
 1 when serving), so a free slot waits at most one chunk. AR, DFlash, DDTree and auto run
 on the pool; auto's menu is priced per width when the engine is built (it decides each
 width's compiled shapes), its forecasts are per slot (reset on admission, moved with their
@@ -48,12 +49,9 @@ from kdj.decode.widths import batch_axes, fitting, ladder, resize
 from kdj.handles import Drafter, Target, check_pair
 
 HISTORY = 4096  # chunks whose width the engine remembers (chunk_widths)
-
-
-def prompt_bucket(n: int) -> int:
-    """The prefill length for a longest prompt of n tokens: the power of two >= 16 that holds
-    it (one compiled prefill per octave; prefill is a small share of a request's work)."""
-    return max(16, 1 << (n - 1).bit_length())
+# prompt tokens per prefill call: one compiled shape for every prompt; long enough that a
+# prompt takes few calls, short enough that padding a short one costs about a verify step
+PREFILL_CHUNK = 256
 
 
 def bulk_wake(max_batch: int) -> int:
@@ -111,8 +109,8 @@ class Engine:
     runs `chunk_steps` steps at most, and returns early once `wake` slots have finished:
     1 serves each finished request at once; more keeps finished slots idle a little longer
     for fewer host turns (bulk generation: with wake >= admit_rows, newcomers are admitted
-    in whole groups of admit_rows while more wait, so every prefill has one shape). Not
-    thread-safe: one thread drives `step`.
+    in whole groups of admit_rows while more wait, so every prefill has one shape). Prompts
+    are prefilled `prefill_chunk` tokens per call. Not thread-safe: one thread drives `step`.
     widths: the ladder of compiled widths (ascending, ending at max_batch; default powers of
     4 below it); `menu` and `cost` may then be one per width (a mapping width -> value).
     What ran: `width` (now), `chunk_widths` (each recent chunk's width), `resizes`."""
@@ -122,10 +120,11 @@ class Engine:
                  menu: tuple[DraftShape, ...] | Mapping[int, tuple[DraftShape, ...]] = (),
                  cost=None, calibration: float = 1.0, chunk_steps: int = 32, seed: int = 0,
                  widths: tuple[int, ...] | None = None, wake: int = 1,
-                 admit_rows: int = 64):  # fmt: skip
-        if min(max_batch, max_new_cap, chunk_steps, wake, admit_rows) < 1 or cache_size < 2:
-            raise ValueError("max_batch, max_new_cap, chunk_steps, wake, admit_rows >= 1 and "
-                             "cache_size >= 2")  # fmt: skip
+                 admit_rows: int = 64, prefill_chunk: int = PREFILL_CHUNK):  # fmt: skip
+        if min(max_batch, max_new_cap, chunk_steps, wake, admit_rows, prefill_chunk) < 1 or \
+                cache_size < 2:  # fmt: skip
+            raise ValueError("max_batch, max_new_cap, chunk_steps, wake, admit_rows, "
+                             "prefill_chunk >= 1 and cache_size >= 2")  # fmt: skip
         if target.sharding is not None:
             raise ValueError("the serving engine runs on one device (target has a mesh)")
         self.widths = ladder(max_batch, widths)
@@ -146,6 +145,7 @@ class Engine:
             self._drafting_plans(drafter, block_size, menu, cost)
         self.greedy, self.chunk_steps, self.wake = True, chunk_steps, wake
         self.admit_rows = admit_rows
+        self.C = min(prefill_chunk, cache_size)  # prompt tokens per prefill call
         self.seed = seed
         self.waiting: collections.deque[Request] = collections.deque()
         self.width = self.widths[0]  # the width the pool runs at now
@@ -326,6 +326,54 @@ class Engine:
                 self.priors[width]))  # fmt: skip
         return self._axes[width]
 
+    def warm(self, modes: tuple[bool, ...] = (True, False), progress=None) -> int:
+        """Compile every program the pool can meet, ahead of the first request (a server
+        calls it before it answers /health): for each greedy mode of `modes`, each width's
+        chunk and prefill (per rows bucket), and the resize between every pair of widths.
+        progress(done, total), if given, is called after each. Returns the programs
+        compiled or found."""
+        tg, ts, dg, ds = self._graphs()
+        jobs = []
+        for greedy in modes:
+            for w in self.widths:
+                plan = dataclasses.replace(self.plans[w], greedy=greedy)
+                jobs.append(("chunk", w, plan))
+                G = min(self.admit_rows, w)
+                jobs += [("prefill", w, plan, a) for a in (*[x for x in self.widths if x < G], G)]
+        jobs += [("resize", a, b) for a in self.widths for b in self.widths if a != b]
+        pools = {}
+
+        def empty(w):
+            if w not in pools:
+                pools.clear()  # at most one pool of each kind alive: they can be large
+                pools[w] = self._empty(w)
+            return pools[w]
+
+        get = self.target.executables.get
+        for i, job in enumerate(jobs):
+            if job[0] == "chunk":
+                _, w, plan = job
+                get(pool.chunk, tg, ts, dg, ds, empty(w), jnp.int32(0), jnp.int32(0),
+                    options=self._xla, plan=plan)  # fmt: skip
+            elif job[0] == "prefill":
+                _, w, plan, a = job
+                new = jax.device_put(pool.Admission(
+                    np.zeros(a, np.int32), np.zeros((a, self.C), np.int32), np.int32(0),
+                    np.ones(a, np.int32), np.ones(a, np.int32),
+                    np.full((a, STOP_WIDTH), -1, np.int32), np.ones(a, np.float32),
+                    np.zeros(a, np.uint32), np.float32(1)))  # fmt: skip
+                get(pool.prefill, tg, ts, dg, ds, empty(w), new, self.priors[w],
+                    options=self._xla, plan=plan)  # fmt: skip
+            else:
+                _, a, b = job
+                src = empty(a)
+                args = (src, self._empty(b), jnp.zeros((b,), jnp.int32), self.priors[b])
+                get(resize, *args, axes=self._slot_axes(b), src=self.plans[a],
+                    dst=self.plans[b])  # fmt: skip
+            if progress is not None:
+                progress(i + 1, len(jobs))
+        return len(jobs)
+
     def _admit(self) -> None:
         """Fill free slots with the admissible head of the queue, `admit_rows` at a time."""
         free = [b for b, r in enumerate(self.slots) if r is None]
@@ -340,17 +388,23 @@ class Engine:
         for i in range(0, len(take), G):
             self._prefill(take[i : i + G], free[i : i + G])
 
+    def _rows_bucket(self, n: int) -> int:
+        """The rows of an admission of n newcomers: the smallest ladder width below the group
+        size, or the group size, that holds them (a few shapes per pool width)."""
+        G = min(self.admit_rows, self.width)
+        return fitting(tuple(w for w in self.widths if w < G) + (G,), n)
+
     def _prefill(self, take: list[Request], free: list[int]) -> None:
-        """One admission program: requests `take` into pool rows `free`. Its shape is bucketed
-        (rows and the prompt length to powers of two), so a stream of requests meets a
-        handful of compiled prefills."""
+        """Requests `take` into pool rows `free`: their prompts prefilled `prefill_chunk`
+        tokens at a time (one program per (width, rows), whatever the prompts' lengths)."""
         mode = mode_of(take[0])
         self.greedy = mode.greedy
-        W = self.width
-        A = min(1 << (len(take) - 1).bit_length(), W)
-        P = min(prompt_bucket(max(len(r.tokens) for r in take)), self.S)
-        tokens = np.zeros((A, P), np.int32)
-        lens, slots = np.ones(A, np.int32), np.full(A, W, np.int32)
+        W, C = self.width, self.C
+        A = self._rows_bucket(len(take))
+        longest = max(len(r.tokens) for r in take)
+        chunks = -(-longest // C)
+        tokens = np.zeros((A, chunks * C), np.int32)
+        lens, slots = np.zeros(A, np.int32), np.full(A, W, np.int32)
         max_new, temps = np.ones(A, np.int32), np.ones(A, np.float32)
         seeds = np.zeros(A, np.uint32)
         stop = np.full((A, STOP_WIDTH), -1, np.int32)
@@ -361,18 +415,18 @@ class Engine:
             seeds[i] = r.seed if r.seed is not None else (self.seed * 1_000_003 + r.id) % 2**32
             stop[i, : len(r.stop)] = r.stop
             self.slots[b], self.sent[b] = r, 0
-        # one transfer for the admission's arrays (the host's turn is the pool's overhead)
-        tokens, lens, seeds, temps, slots, max_new, stop, top_p = jax.device_put(
-            (tokens, lens, seeds, temps, slots, max_new, stop, np.float32(mode.top_p))
-        )
-        pre, keys = pool.prefill_rows(self.target, self.drafter, tokens, lens, seeds, temps,
-                                      top_p, greedy=self.greedy)  # fmt: skip
-        state = dataclasses.replace(self.pool.state, top_p=top_p)
-        args = (self.pool._replace(state=state), pre, lens, slots, max_new, stop, temps, keys,
-                self.priors[W])  # fmt: skip
         plan = dataclasses.replace(self.plan, greedy=self.greedy)
-        fn = self.target.executables.get(pool.admit, *args, options=self._xla, plan=plan)
-        self.pool = fn(*args)
+        tg, ts, dg, ds = self._graphs()
+        for c in range(chunks):
+            s = c * C  # rows whose prompt ended in an earlier chunk sit this one out
+            new = pool.Admission(np.where(lens > s, slots, W).astype(np.int32),
+                                 tokens[:, s : s + C], np.int32(s), lens, max_new, stop, temps,
+                                 seeds, np.float32(mode.top_p))  # fmt: skip
+            new = jax.device_put(new)  # one transfer per chunk: the host's turn is overhead
+            fn = self.target.executables.get(pool.prefill, tg, ts, dg, ds, self.pool, new,
+                                             self.priors[W], options=self._xla,
+                                             plan=plan)  # fmt: skip
+            self.pool = fn(ts, ds, self.pool, new, self.priors[W])
 
     def _collect(self) -> list[Update]:
         state = self.pool.state
@@ -403,14 +457,14 @@ def generate_stream(target: Target, prompts: list[list[int]], max_batch: int, ma
                     chunk_steps: int = 32, drafter: Drafter | None = None,
                     block_size: int | None = None, menu: tuple[DraftShape, ...] = (),
                     cost=None, calibration: float = 1.0, widths=None, wake: int = 1,
-                    admit_rows: int = 64) -> Streamed:  # fmt: skip
+                    admit_rows: int = 64, prefill_chunk: int = PREFILL_CHUNK) -> Streamed:  # fmt: skip
     """Every prompt (token ids) streamed through a pool of `max_batch` slots (drafting with
     `drafter`, at the ladder `widths`, as `Engine` does). seeds: one per prompt (its
     samples then do not depend on the other prompts); else each is derived from `seed`."""
     engine = Engine(target, max_batch, cache_size, max(max_new), drafter=drafter,
                     block_size=block_size, menu=menu, cost=cost, calibration=calibration,
                     chunk_steps=chunk_steps, seed=seed, widths=widths, wake=wake,
-                    admit_rows=admit_rows)  # fmt: skip
+                    admit_rows=admit_rows, prefill_chunk=prefill_chunk)  # fmt: skip
     seeds = seeds if seeds is not None else [None] * len(prompts)
     ids = [engine.submit(Request(list(p), m, list(s), temperature, top_p, seed))
            for p, m, s, seed in zip(prompts, max_new, stop, seeds)]  # fmt: skip

@@ -2,10 +2,11 @@
 
     empty   a pool of B free slots: the DecodeState of kdj/decode/loop.py (with the
             drafter's cache and feature queue when the pool drafts), every row done
-    admit   write newcomers, prefilled by `prefill_rows` (compiled per rows x prompt
-            length, whatever the pool's width), into rows of the pool (target and drafter
-            K/V, lengths, the rows' budgets, stops, keys, temperatures; their feature
-            queues emptied)
+    prefill newcomers' prompts, one chunk of C tokens of A rows per call, written straight
+            into their pool rows (target and drafter K/V); a row whose prompt is complete
+            joins the running slots (lengths, first token, budgets, stops, keys,
+            temperatures; its feature queue emptied). Compiled per (width, A, C): a
+            fixed set, whatever the prompts' lengths
     chunk   the loop's own body (loop.body: plain_step, drafted_step, or auto's runs of
             plain and drafted steps) over the whole pool, until `wake` running slots have
             finished (serving: 1; data generation: a share of the pool), all are done, or a
@@ -36,8 +37,9 @@ from flax import nnx
 
 from kdj.cache import KVCache, init_cache
 from kdj.decode import auto, loop
-from kdj.decode.sampling import request_keys
+from kdj.decode.sampling import position_keys, request_keys, sample
 from kdj.decode.state import DecodeState, Plan, Prefilled, init_state, is_stop
+from kdj.decode.step import features
 
 STOP_WIDTH = 8  # stop ids per request (-1 padded): one compile for every request
 
@@ -92,76 +94,85 @@ def chunk(tgraph, tstate, dgraph, dstate, pool: Pool, bound, wake, *, plan: Plan
     return Pool(state, steps)
 
 
-def _put(pool: KVCache, new: KVCache, slots, lens) -> KVCache:
-    """Rows `slots` of the pool's cache take the P slots of a newcomers' cache."""
-    P = new.capacity
+class Admission(NamedTuple):
+    """One prefill chunk of A newcomers: prompt positions start .. start + C - 1 of each, and
+    what a row needs once its last prompt token is in (engine.py builds these)."""
 
+    slots: jax.Array  # [A] int32 pool rows; >= B: padding, or a row whose prompt ended earlier
+    tokens: jax.Array  # [A, C] int32 the chunk's prompt tokens (right-padded)
+    start: jax.Array  # [] int32 the chunk's first position
+    lens: jax.Array  # [A] int32 prompt lengths
+    max_new: jax.Array  # [A] int32
+    stop: jax.Array  # [A, STOP_WIDTH] int32 (-1 padded)
+    temps: jax.Array  # [A] float32
+    seeds: jax.Array  # [A] uint32 the requests' seeds (a sample at position p: (seed, p))
+    top_p: jax.Array  # [] float32 the pool's
+
+
+def _rows(cache: KVCache, slots) -> KVCache:
+    """Rows `slots` of a pool's cache (out-of-range slots read a clipped row: their writes
+    are dropped)."""
+    at = jnp.clip(slots, 0, cache.batch - 1)
+    return KVCache([k[at] for k in cache.k], [v[at] for v in cache.v], cache.lengths[at])
+
+
+def _put(cache: KVCache, rows: KVCache, slots) -> KVCache:
     def put(p, n):
-        return p.at[slots, :, :P].set(n, mode="drop")
+        return p.at[slots].set(n, mode="drop")
 
-    return dataclasses.replace(
-        pool, k=[put(p, n) for p, n in zip(pool.k, new.k)],
-        v=[put(p, n) for p, n in zip(pool.v, new.v)],
-        lengths=pool.lengths.at[slots].set(lens, mode="drop"),
-    )  # fmt: skip
+    return dataclasses.replace(cache, k=[put(p, n) for p, n in zip(cache.k, rows.k)],
+                               v=[put(p, n) for p, n in zip(cache.v, rows.v)])  # fmt: skip
 
 
-@functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "greedy", "dtype"))
-def _prefill_new(tgraph, tstate, dgraph, dstate, tokens, lens, seeds, temps, top_p, *, greedy,
-                 dtype):  # fmt: skip
-    A, P = tokens.shape
-    cache = init_cache(nnx.merge(tgraph, tstate).cfg, A, P, dtype)
-    dcache = None
-    if dgraph is not None:
-        dcache = init_cache(nnx.merge(dgraph, dstate).cfg.layers, A, P, dtype)
-    keys = request_keys(seeds, shared=True)  # a request's samples: (its seed, position)
-    pre = loop.prefill(tgraph, tstate, dgraph, dstate, tokens, lens, cache, dcache, keys, temps,
-                       top_p, greedy=greedy)  # fmt: skip
-    return pre, keys
-
-
-def prefill_rows(target, drafter, tokens, lens, seeds, temps, top_p, *, greedy: bool):
-    """The newcomers' prefill, tokens [A, P], as one program (their empty caches and keys
-    made inside it: no eager work on the host's turn): their caches hold P slots only (the
-    pool keeps the rest), so the program depends on (A, P) and not on the pool's width.
-    Returns (Prefilled, the rows' keys)."""
-    tg, ts = target.graphdef, target.state
-    dg, ds = (None, None) if drafter is None else (drafter.graphdef, drafter.state)
-    rows = (tokens, lens, seeds, temps, top_p)
-    fn = target.executables.get(_prefill_new, tg, ts, dg, ds, *rows,
-                                options=target.cfg.kernels.compiler_options(),
-                                greedy=greedy, dtype=target.dtype)  # fmt: skip
-    return fn(ts, ds, *rows)
-
-
-@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("pool",))
-def admit(pool: Pool, pre: Prefilled, lens, slots, max_new, stop, temps, keys, prior, *,
-          plan: Plan) -> Pool:  # fmt: skip
-    """Write prefilled newcomers (`prefill_rows`) into pool rows `slots` [A] (B: padding,
-    dropped). prior [len(plan.menu)]: auto's priors, which the rows' forecasts restart from."""
+@functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "plan"), donate_argnames=("pool",))
+def prefill(tgraph, tstate, dgraph, dstate, pool: Pool, new: Admission, prior, *,
+            plan: Plan) -> Pool:  # fmt: skip
+    """One chunk of the newcomers' prompts written straight into their pool rows: the target
+    pass over C tokens on top of what earlier chunks wrote (tapping the drafter's feature
+    layers, whose context it adds), so the program depends on (pool width, A, C) and never on
+    a prompt's length. Rows whose last prompt token is in this chunk join the running
+    slots: their first token, lengths, budgets, stops, keys, temperatures; feature queues
+    emptied; auto's forecasts restarted from `prior` [len(plan.menu)]."""
+    target = nnx.merge(tgraph, tstate)
+    drafter = None if dgraph is None else nnx.merge(dgraph, dstate)
     state = pool.state
-    A = lens.shape[0]
+    B = state.done.shape[0]
+    A, C = new.tokens.shape
+    start = jnp.full((A,), new.start, jnp.int32)
+    taps = () if drafter is None else drafter.cfg.target_layer_ids
+    at = jnp.clip(new.lens - 1 - new.start, 0, C - 1)  # the prompt's last token, if here
+    rows = _rows(state.tcache, new.slots)
+    logits, rows, tapped = target(new.tokens, start, rows, taps=taps, logits_at=at[:, None])
+    state = dataclasses.replace(state, tcache=_put(state.tcache, rows, new.slots))
+    if drafter is not None:
+        ctx = drafter.add_context(features(tapped), start, _rows(state.dcache, new.slots))
+        state = dataclasses.replace(state, dcache=_put(state.dcache, ctx, new.slots))
+    keys = request_keys(new.seeds, shared=True)
+    first = sample(logits[:, 0], position_keys(keys, new.lens), new.temps, new.top_p, plan.greedy)
+    joins = new.lens <= new.start + C
+    slots = jnp.where(joins, new.slots, B)
     N = state.out.shape[1]
-    row = jnp.zeros((A, N), jnp.int32).at[:, 0].set(pre.first)
-    done = is_stop(pre.first, stop) | (max_new <= 1)
+    row = jnp.zeros((A, N), jnp.int32).at[:, 0].set(first)
+    done = is_stop(first, new.stop) | (new.max_new <= 1)
 
     def set_(x, v):
         return x.at[slots].set(v, mode="drop")
 
     state = dataclasses.replace(
-        state, tcache=_put(state.tcache, pre.tcache, slots, lens), last=set_(state.last, pre.first),
-        out=set_(state.out, row), n=set_(state.n, jnp.ones((A,), jnp.int32)),
-        done=set_(state.done, done), max_new=set_(state.max_new, max_new),
-        stop_ids=set_(state.stop_ids, stop), temperature=set_(state.temperature, temps),
-        key=set_(state.key, keys),
+        state, tcache=state.tcache.with_lengths(set_(state.tcache.lengths, new.lens)),
+        last=set_(state.last, first), out=set_(state.out, row),
+        n=set_(state.n, jnp.ones((A,), jnp.int32)), done=set_(state.done, done),
+        max_new=set_(state.max_new, new.max_new), stop_ids=set_(state.stop_ids, new.stop),
+        temperature=set_(state.temperature, new.temps), key=set_(state.key, keys),
+        top_p=new.top_p,
     )  # fmt: skip
-    if pre.dcache is not None:  # the rows' queues start empty, as after a prefill alone
+    if drafter is not None:  # the rows' queues start empty, as after a prefill alone
         state = dataclasses.replace(
-            state, dcache=_put(state.dcache, pre.dcache, slots, lens),
+            state, dcache=state.dcache.with_lengths(set_(state.dcache.lengths, new.lens)),
             pending=set_(state.pending, 0), n_pend=set_(state.n_pend, 0),
         )  # fmt: skip
     if plan.adaptive:
-        rows = set_(jnp.zeros(state.done.shape, bool), True)
-        ctrl = auto.admit(state.auto, plan, prior, rows, state.tcache.lengths, state.active)
+        joined = set_(jnp.zeros((B,), bool), True)
+        ctrl = auto.admit(state.auto, plan, prior, joined, state.tcache.lengths, state.active)
         state = dataclasses.replace(state, auto=ctrl)
     return Pool(state, set_(pool.steps, 0))

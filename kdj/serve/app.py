@@ -15,6 +15,7 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from tqdm import tqdm
 
 from kdj import api
 from kdj.decode.engine import Engine, Update
@@ -175,14 +176,16 @@ class Reply:
 def make_app(target, name: str, *, drafter=None, method: str = "ar", block_size=None,
              tree_budget=None, max_batch: int = 8, context: int = 2048, max_tokens: int = 256,
              max_queue: int = 64, chunk_steps: int = 16, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0, widths=None) -> FastAPI:  # fmt: skip
+             top_p: float = 1.0, seed: int = 0, widths=None, warm: tuple[bool, ...] = ()) -> FastAPI:  # fmt: skip
     """The app serving `target` (a kdj.Target with a tokenizer) as model `name`: a pool of
     max_batch slots of `context` tokens each, up to max_queue requests waiting;
     max_tokens / temperature / top_p are the defaults of a request that gives none; widths:
     the pool's ladder of compiled widths (kdj/decode/engine.py `Engine`). With a
     `drafter`, method "dflash", "ddtree" or "auto" (block_size, tree_budget as kdj.generate
     takes them) decodes speculatively in the pool; auto's default menu is priced once per
-    width of the ladder, at half a slot's context (requests' lengths are not known yet)."""
+    width of the ladder, at half a slot's context (requests' lengths are not known yet).
+    warm: the modes (greedy True, sampled False) whose programs are all compiled now, so
+    no such request waits for a compile (Engine.warm)."""
     if target.tokenizer is None:
         raise ValueError("serving needs the target's tokenizer (this target has none)")
     opts = api.check_options(target, drafter, method, block_size, tree_budget, None, None,
@@ -194,5 +197,13 @@ def make_app(target, name: str, *, drafter=None, method: str = "ar", block_size=
                                  widths=widths)  # fmt: skip
     engine = Engine(target, max_batch, context, context - 1, chunk_steps=chunk_steps, seed=seed,
                     widths=widths, **drafting)  # fmt: skip
+    if warm:
+        with tqdm(desc="compiling the pool's programs", unit="program") as bar:
+
+            def tick(done: int, total: int) -> None:
+                bar.total = total
+                bar.update(done - bar.n)
+
+            engine.warm(warm, progress=tick)
     served = Served(name, tok, stop_ids, cap, temperature, top_p, engine.method)
     return build_app(Worker(engine, max_queue), served)
