@@ -100,6 +100,9 @@ def cmd_generate(args) -> int:
     return 0
 
 
+WARM_MODES = {"all": (True, False), "greedy": (True,), "none": ()}  # serve --warm: greedy?
+
+
 def cmd_serve(args) -> int:
     import uvicorn
 
@@ -117,7 +120,7 @@ def cmd_serve(args) -> int:
                    max_tokens=dec["max_new_tokens"], max_queue=args.max_queue,
                    chunk_steps=args.chunk_steps, temperature=dec["temperature"],
                    top_p=dec["top_p"], seed=dec["seed"], widths=args.widths,
-                   warm={"all": (True, False), "greedy": (True,), "none": ()}[args.warm])  # fmt: skip
+                   warm=WARM_MODES[args.warm])  # fmt: skip
     # SIGTERM: uvicorn stops accepting, lets in-flight requests finish for up to
     # --grace seconds, then the app's shutdown cancels the rest
     uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace)

@@ -457,7 +457,8 @@ def generate_stream(target: Target, prompts: list[list[int]], max_batch: int, ma
                     chunk_steps: int = 32, drafter: Drafter | None = None,
                     block_size: int | None = None, menu: tuple[DraftShape, ...] = (),
                     cost=None, calibration: float = 1.0, widths=None, wake: int = 1,
-                    admit_rows: int = 64, prefill_chunk: int = PREFILL_CHUNK) -> Streamed:  # fmt: skip
+                    admit_rows: int = 64,
+                    prefill_chunk: int = PREFILL_CHUNK) -> Streamed:  # fmt: skip
     """Every prompt (token ids) streamed through a pool of `max_batch` slots (drafting with
     `drafter`, at the ladder `widths`, as `Engine` does). seeds: one per prompt (its
     samples then do not depend on the other prompts); else each is derived from `seed`."""

@@ -176,7 +176,8 @@ class Reply:
 def make_app(target, name: str, *, drafter=None, method: str = "ar", block_size=None,
              tree_budget=None, max_batch: int = 8, context: int = 2048, max_tokens: int = 256,
              max_queue: int = 64, chunk_steps: int = 16, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0, widths=None, warm: tuple[bool, ...] = ()) -> FastAPI:  # fmt: skip
+             top_p: float = 1.0, seed: int = 0, widths=None,
+             warm: tuple[bool, ...] = ()) -> FastAPI:  # fmt: skip
     """The app serving `target` (a kdj.Target with a tokenizer) as model `name`: a pool of
     max_batch slots of `context` tokens each, up to max_queue requests waiting;
     max_tokens / temperature / top_p are the defaults of a request that gives none; widths:
