@@ -65,10 +65,12 @@ def longest_match(nodes, greedy):
 
 
 def test_a_step_near_the_end_keeps_every_node_it_can_still_commit(target):
-    """Near max_new_tokens (limit) and the cache end (room), the drafts accepted must equal a
-    brute-force longest greedy match among the best `room` nodes of depth <= limit. The draft
-    puts a wrong token first at depth 1 and the target's own path under it, so a cut by node
-    index keeps only that wrong branch's deep nodes (which can never be committed)."""
+    """Near max_new_tokens (limit) and the cache end (room), the tree must be the best `room`
+    prefixes of depth <= limit (the tree a draft cut to `limit` depths builds), and the drafts
+    accepted a brute-force longest greedy match among them. The draft puts a wrong token
+    first at depth 1 and the target's own path under it: the unrestricted best 4 prefixes are
+    all on the wrong branch (down to depth 4), so a tree cut by depth after the build keeps
+    two useless nodes at limit 2, and one cut by node index none that can be committed."""
     prompt, root, S = [3, 1, 4, 1, 5], 9, 10
     g = greedy_path(target, prompt + [root], 5)
     wrong = (g[0] + 1) % V
@@ -82,21 +84,24 @@ def test_a_step_near_the_end_keeps_every_node_it_can_still_commit(target):
     cache = prefill(target.graphdef, target.state, None, None, jnp.asarray([prompt]), L,
                     init_cache(target.cfg, 1, S, jnp.float32), None, key, one, one,
                     greedy=True).tcache  # fmt: skip
-    shape = trees.DraftShape("tree", 16)
-    full = build_trees(lp, 16)
-    lp = trees.Draft.of(lp)
+    dist = trees.Draft.of(lp)
     room = S - 1 - len(prompt)  # 4 slots after the root
     last = jnp.asarray([root], jnp.int32)
-    step = jax.jit(lambda c, limit: run_step(target, shape, lp, c, last, limit, room))
-    for limit in (1, 2, 5):
-        kept = [n for n in prefixes(full, 0) if len(n) <= limit][:room]
-        by_index = prefixes(full, 0)[:room]
-        want = longest_match(set(kept), g)
-        a, tree = step(cache, jnp.asarray([limit], jnp.int32))
-        assert int(a[0]) == want, limit
-        assert set(prefixes(tree, 0)[: int(tree["valid"][0].sum())]) == set(kept)
-        if limit == 2:  # the case that a cut by node index got wrong
-            assert want == 2 and longest_match(set(by_index), g) == 0
+    for budget in (4, 16):
+        shape = trees.DraftShape("tree", budget)
+        full = prefixes(build_trees(lp, budget), 0)
+        step = jax.jit(lambda c, limit, shape=shape: run_step(target, shape, dist, c, last,
+                                                              limit, room))  # fmt: skip
+        for limit in (1, 2, 5):
+            best = prefixes(build_trees(lp[:, :limit], budget), 0)[:room]  # the cut draft's
+            want = longest_match(set(best), g)
+            a, tree = step(cache, jnp.asarray([limit], jnp.int32))
+            assert int(a[0]) == want, (budget, limit)
+            assert set(prefixes(tree, 0)[: int(tree["valid"][0].sum())]) == set(best)
+            if limit == 2:  # the cases a cut after the build gets wrong
+                cut = [n for n in full if len(n) <= limit][:room]
+                assert want == 2 and longest_match(set(full[:room]), g) == 0
+                assert longest_match(set(cut), g) == (0 if budget == 4 else 2)
 
 
 def run_step(target, shape, lp, cache, last, limit, room):

@@ -121,7 +121,7 @@ def drafted_step(target, drafter, state: DecodeState, plan: Plan) -> DecodeState
         dist, state = draft(target, drafter, state, plan.block_size)
     with scope("propose"):  # one build of the menu's largest tree: smaller ones are its nodes
         built = auto.largest_tree(plan.menu)
-        full = trees.draft_trees(dist, built) if built else None
+        full = trees.draft_trees(dist, built, limit) if built else None
     raw = None
     if plan.forecasts:
         with scope("forecast"):

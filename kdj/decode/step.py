@@ -109,8 +109,9 @@ def propose(shape: trees.DraftShape, dist: trees.Draft, full=None, limit=None, r
     """The tree a step verifies for `shape` (a build_trees dict, [B, N] arrays); `full`: a
     tree of at least shape.size nodes to slice instead of building again. With limit [B]
     (drafts each row may accept) and room [B] (cache slots after the root), only the nodes
-    that can still be committed, laid first (trees.committable)."""
-    tree = trees.draft_tree(shape, dist, full)
+    that can still be committed, laid first (trees.committable); a tree is built from depths
+    <= limit only (`full` too: drafted_step builds it with the same limit)."""
+    tree = trees.draft_tree(shape, dist, full, limit)
     return tree if limit is None else trees.committable(tree, limit, room)
 
 

@@ -159,9 +159,15 @@ def build_trees(lp, budget: int):
     return jax.vmap(lambda x: build_tree(x, budget))(lp)
 
 
-def draft_trees(draft: Draft, budget: int):
-    """build_trees of a Draft, from its top-K per depth (never a full log-softmax)."""
+def draft_trees(draft: Draft, budget: int, limit=None):
+    """build_trees of a Draft, from its top-K per depth (never a full log-softmax). limit
+    [B] (optional): the deepest draft each row can still commit; deeper prefixes are left
+    out of the build, so near max_new_tokens the whole budget goes to nodes that can be
+    committed, as a draft cut to the tokens left would build them."""
     top_lp, top_tok = draft.top(budget)
+    if limit is not None:
+        deep = jnp.arange(1, top_lp.shape[1] + 1)[None, :] > limit[:, None]  # [B, L]
+        top_lp = jnp.where(deep[:, :, None], -jnp.inf, top_lp)
     return jax.vmap(lambda v, t: build_tree_from_top(v, t, budget))(top_lp, top_tok)
 
 
@@ -230,13 +236,16 @@ def committable(tree, limit, room):
     }
 
 
-def draft_tree(shape: DraftShape, draft: Draft, full=None):
+def draft_tree(shape: DraftShape, draft: Draft, full=None, limit=None):
     """The tree a step verifies for `shape`. `full` (optional) is a build_trees dict of at
-    least shape.size nodes to slice instead of building again."""
+    least shape.size nodes to slice instead of building again (built with the same `limit`);
+    limit: as draft_trees takes it (a chain is cut by `committable` instead)."""
     if shape.kind == "chain":
         return chain_trees(draft.head(shape.size))
     if shape.kind == "tree":
-        return top(full, shape.size) if full is not None else draft_trees(draft, shape.size)
+        if full is not None:
+            return top(full, shape.size)
+        return draft_trees(draft, shape.size, limit)
     return root_only(draft.logits.shape[0])
 
 
