@@ -190,7 +190,7 @@ SUITES = {
                 "serve",
                 "serve_sweep.py --prompts {prompts} --configs configs/runs/smollm2.yaml "
                 "configs/runs/smollm2-dflash.yaml configs/runs/smollm2-auto.yaml "
-                "--concurrency 1 4 16 64 256 --requests 64 --max-tokens 128 "
+                "--concurrency 1 4 16 64 256 --requests 32 --waves 4 --max-tokens 128 "
                 "--out {out}/serve.json",
             ),
         ),

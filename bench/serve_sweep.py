@@ -44,6 +44,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", nargs="+", required=True, help="run YAMLs, one server each")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     p.add_argument("--requests", type=int, default=64, help="per level, at least C")
+    p.add_argument("--waves", type=int, default=1, help="per level, at least waves x C requests")
     p.add_argument("--max-tokens", type=int, nargs="+", default=[128], help="N, or LO HI")
     p.add_argument("--max-batch", type=int, help="slots (default: the largest concurrency)")
     p.add_argument("--context", type=int, default=2048, help="tokens per slot")
@@ -92,7 +93,8 @@ def sweep(config: str, prompts: list[str], args, lengths: tuple[int, int]) -> di
     try:
         wait_healthy(url, proc, args.start_timeout)
         started = time.perf_counter() - t0
-        report = bench.run(url, prompts, args.concurrency, lengths, args.requests, warmup=False)
+        report = bench.run(url, prompts, args.concurrency, lengths, args.requests, warmup=False,
+                           waves=args.waves)  # fmt: skip
         print(bench.table(report), flush=True)
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -118,6 +120,7 @@ def main(argv=None):
         runs.append(sweep(config, prompts, args, lengths))
         result = {"prompts": len(prompts), "max_tokens": list(lengths), "runs": runs}
         harness.write_result(Path(args.out), result, argv)
+        bench.plot({Path(r["config"]).stem: r for r in runs}, Path(args.out).with_suffix(".png"))
 
 
 if __name__ == "__main__":

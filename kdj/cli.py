@@ -100,7 +100,8 @@ def cmd_generate(args) -> int:
     return 0
 
 
-WARM_MODES = {"all": (True, False), "greedy": (True,), "none": ()}  # serve --warm: greedy?
+# serve --warm: which modes (greedy True, sampled False) to compile before listening
+WARM_MODES = {"all": (True, False), "greedy": (True,), "none": ()}
 
 
 def cmd_serve(args) -> int:
@@ -140,11 +141,15 @@ def cmd_bench_serve(args) -> int:
     if not 1 <= lo <= hi:
         raise ValueError(f"--max-tokens: need 1 <= lo <= hi, got {args.max_tokens}")
     report = bench.run(args.url, prompts, args.concurrency, (lo, hi), args.requests,
-                       seed=args.seed, model=args.model, warmup=not args.no_warmup)  # fmt: skip
+                       seed=args.seed, model=args.model, warmup=not args.no_warmup,
+                       waves=args.waves)  # fmt: skip
     print(bench.table(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.out}")
+    if args.plot:
+        bench.plot({report["model"]: report}, args.plot)
+        print(f"wrote {args.plot}")
     return 0
 
 
@@ -362,6 +367,9 @@ def parser() -> argparse.ArgumentParser:
                    help="client counts to sweep (default: 1 4 16 64 256)")  # fmt: skip
     w.add_argument("--requests", type=int, default=64,
                    help="requests per level, at least the concurrency (default: 64)")  # fmt: skip
+    w.add_argument("--waves", type=int, default=1,
+                   help="at least this many requests per client per level: the first wave "
+                   "arrives at once, later ones show the steady state (default: 1)")  # fmt: skip
     w.add_argument("--max-tokens", type=int, nargs="+", default=[128],
                    help="output length N, or LO HI drawn uniformly (default: 128)")  # fmt: skip
     w.add_argument("--prompts", help="eval_prompts.json (default: held-out ShareGPT)")
@@ -373,6 +381,8 @@ def parser() -> argparse.ArgumentParser:
                    help="skip the unmeasured pass over every level first (the server's "
                    "compiles then land in the measured rows; default: warm up)")  # fmt: skip
     w.add_argument("--out", help="write the report as JSON here (default: print only)")
+    w.add_argument("--plot", help="write tok/s and TTFT against concurrency as a PNG here "
+                   "(needs matplotlib; default: none)")  # fmt: skip
     w.set_defaults(fn=cmd_bench_serve)
 
     b = sub.add_parser("bench", help="roofline of one target step (bench/roofline.py --help)",

@@ -411,6 +411,13 @@ def test_bench_serve_smoke(server, tmp_path, capsys, monkeypatch):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["concurrency"], r["requests"]) for r in rows] == [(1, 3), (3, 3)]
     assert levels == [(1, 1), (3, 3), (1, 3), (3, 3)]  # the unmeasured pass first
+    levels.clear()  # --waves 2: each level runs at least two requests per client
+    cli.main(["bench-serve", "--url", server, "--concurrency", "1", "3", "--requests", "3",
+              "--waves", "2", "--max-tokens", "2", "--prompts", str(prompts), "--no-warmup",
+              "--out", str(out), "--plot", str(tmp_path / "sweep.png")])  # fmt: skip
+    assert levels == [(1, 3), (3, 6)]
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [r["requests"] for r in json.loads(out.read_text())["rows"]] == [3, 6]
     assert all(r["errors"] == 0 for r in rows)
     # a prompt past the server's context: refused (400), counted, the others still measured
     prompts.write_text(json.dumps({"sharegpt": ["hi there", "word " * 400, "why?"]}))

@@ -1,8 +1,10 @@
 """`kdj bench-serve`: a load generator for an OpenAI-compatible server (kdj serve or any other).
 
-At each concurrency C, C clients stream chat completions back to back until `requests`
-(at least C) have completed. Per request: time to first token (TTFT), inter-token latency
-(ITL: (end - first token) / (tokens - 1)) and tokens per second seen by its user; per level:
+At each concurrency C, C clients stream chat completions back to back until
+max(requests, waves x C) have completed (one wave: every client's first request, which all
+arrive at once; later waves see the server in its steady state). Per request: time to first
+token (TTFT), inter-token latency (ITL: (end - first token) / (tokens - 1)) and tokens per
+second seen by its user; per level:
 aggregate tokens per second (all completion tokens / wall time) and p50 / p99 of the rest,
 over the requests that completed; refused or failed ones are counted (`errors`, with the
 first one's message), and a level where every request failed stops the sweep.
@@ -90,24 +92,27 @@ async def level(url, model, prompts, lengths, concurrency, requests, timeout) ->
 
 def run(url: str, prompts: list[str], concurrency: list[int], max_tokens: tuple[int, int],
         requests: int, seed: int = 0, model: str | None = None, timeout: float = 600,
-        warmup: bool = True):  # fmt: skip
+        warmup: bool = True, waves: int = 1):  # fmt: skip
     """The sweep: one row per concurrency. max_tokens (lo, hi): output lengths drawn
     uniformly (seeded); lo == hi: fixed. warmup: first run every level once unmeasured
     (C requests each), so the server's compiles for those batch shapes fall outside the
-    measured rows."""
+    measured rows. waves: each level runs at least waves x C requests."""
     if not prompts:
         raise ValueError("no prompts")
+    if waves < 1:
+        raise ValueError(f"waves must be >= 1, got {waves}")
     rng = random.Random(seed)
-    lengths = [rng.randint(*max_tokens) for _ in range(max(max(concurrency), requests))]
+    per_level = {c: max(requests, waves * c) for c in concurrency}
+    lengths = [rng.randint(*max_tokens) for _ in range(max(per_level.values()))]
     if model is None:
         model = httpx.get(url + "/v1/models", timeout=timeout).json()["data"][0]["id"]
     if warmup:
         for c in concurrency:
             asyncio.run(level(url, model, prompts, lengths, c, c, timeout))
-    rows = [asyncio.run(level(url, model, prompts, lengths, c, requests, timeout))
+    rows = [asyncio.run(level(url, model, prompts, lengths, c, per_level[c], timeout))
             for c in concurrency]  # fmt: skip
     return {"url": url, "model": model, "max_tokens": list(max_tokens), "seed": seed,
-            "warmup": warmup, "rows": rows}  # fmt: skip
+            "warmup": warmup, "waves": waves, "rows": rows}  # fmt: skip
 
 
 def table(report: dict) -> str:
@@ -120,3 +125,32 @@ def table(report: dict) -> str:
                      f"{r['ttft_p50_s'] * 1e3:>7.0f}ms {r['ttft_p99_s'] * 1e3:>6.0f}ms "
                      f"{r['itl_p50_s'] * 1e3:>6.1f}ms {r['itl_p99_s'] * 1e3:>6.1f}ms")  # fmt: skip
     return "\n".join(lines)
+
+
+def plot(reports: dict[str, dict], path) -> None:
+    """Aggregate and per-user tok/s against concurrency, one line per report (e.g. one per
+    server), as a PNG at `path`. Needs matplotlib (kdj[train] or kdj[test])."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError(
+            "the sweep's plot needs matplotlib: pip install matplotlib"
+        ) from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    panels = (("tok_s", "aggregate tok/s"), ("tok_s_per_user", "tok/s per user"),
+              ("ttft_p50_s", "TTFT p50 (s)"))  # fmt: skip
+    for ax, (key, label) in zip(axes, panels):
+        for name, report in reports.items():
+            c = [r["concurrency"] for r in report["rows"]]
+            ax.plot(c, [r[key] for r in report["rows"]], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
