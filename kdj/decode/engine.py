@@ -338,8 +338,7 @@ class Engine:
             for w in self.widths:
                 plan = dataclasses.replace(self.plans[w], greedy=greedy)
                 jobs.append(("chunk", w, plan))
-                G = min(self.admit_rows, w)
-                jobs += [("prefill", w, plan, a) for a in (*[x for x in self.widths if x < G], G)]
+                jobs += [("prefill", w, plan, a) for a in self._row_buckets(w)]
         jobs += [("resize", a, b) for a in self.widths for b in self.widths if a != b]
         pools = {}
 
@@ -357,11 +356,7 @@ class Engine:
                     options=self._xla, plan=plan)  # fmt: skip
             elif job[0] == "prefill":
                 _, w, plan, a = job
-                new = jax.device_put(pool.Admission(
-                    np.zeros(a, np.int32), np.zeros((a, self.C), np.int32), np.int32(0),
-                    np.ones(a, np.int32), np.ones(a, np.int32),
-                    np.full((a, STOP_WIDTH), -1, np.int32), np.ones(a, np.float32),
-                    np.zeros(a, np.uint32), np.float32(1)))  # fmt: skip
+                new = jax.device_put(pool.blank(a, self.C, w))
                 get(pool.prefill, tg, ts, dg, ds, empty(w), new, self.priors[w],
                     options=self._xla, plan=plan)  # fmt: skip
             else:
@@ -388,11 +383,11 @@ class Engine:
         for i in range(0, len(take), G):
             self._prefill(take[i : i + G], free[i : i + G])
 
-    def _rows_bucket(self, n: int) -> int:
-        """The rows of an admission of n newcomers: the smallest ladder width below the group
-        size, or the group size, that holds them (a few shapes per pool width)."""
-        G = min(self.admit_rows, self.width)
-        return fitting(tuple(w for w in self.widths if w < G) + (G,), n)
+    def _row_buckets(self, width: int) -> tuple[int, ...]:
+        """The row counts an admission into a pool of `width` is padded to: the ladder's
+        widths below its group size, and the group size (a few shapes per width)."""
+        G = min(self.admit_rows, width)
+        return (*[w for w in self.widths if w < G], G)
 
     def _prefill(self, take: list[Request], free: list[int]) -> None:
         """Requests `take` into pool rows `free`: their prompts prefilled `prefill_chunk`
@@ -400,28 +395,26 @@ class Engine:
         mode = mode_of(take[0])
         self.greedy = mode.greedy
         W, C = self.width, self.C
-        A = self._rows_bucket(len(take))
-        longest = max(len(r.tokens) for r in take)
-        chunks = -(-longest // C)
-        tokens = np.zeros((A, chunks * C), np.int32)
-        lens, slots = np.zeros(A, np.int32), np.full(A, W, np.int32)
-        max_new, temps = np.ones(A, np.int32), np.ones(A, np.float32)
-        seeds = np.zeros(A, np.uint32)
-        stop = np.full((A, STOP_WIDTH), -1, np.int32)
+        A = fitting(self._row_buckets(W), len(take))
+        chunks = -(-max(len(r.tokens) for r in take) // C)
+        rows = pool.blank(A, chunks * C, W, mode.top_p)  # the whole prompts, cut per call
         for i, (r, b) in enumerate(zip(take, free)):
-            tokens[i, : len(r.tokens)] = r.tokens
-            lens[i], slots[i], max_new[i] = len(r.tokens), b, r.max_new
-            temps[i] = max(r.temperature, 1e-6)
-            seeds[i] = r.seed if r.seed is not None else (self.seed * 1_000_003 + r.id) % 2**32
-            stop[i, : len(r.stop)] = r.stop
+            rows.tokens[i, : len(r.tokens)] = r.tokens
+            rows.lens[i], rows.slots[i], rows.max_new[i] = len(r.tokens), b, r.max_new
+            rows.temps[i] = max(r.temperature, 1e-6)
+            seed = r.seed if r.seed is not None else (self.seed * 1_000_003 + r.id) % 2**32
+            rows.seeds[i] = seed
+            rows.stop[i, : len(r.stop)] = r.stop
             self.slots[b], self.sent[b] = r, 0
         plan = dataclasses.replace(self.plan, greedy=self.greedy)
         tg, ts, dg, ds = self._graphs()
         for c in range(chunks):
             s = c * C  # rows whose prompt ended in an earlier chunk sit this one out
-            new = pool.Admission(np.where(lens > s, slots, W).astype(np.int32),
-                                 tokens[:, s : s + C], np.int32(s), lens, max_new, stop, temps,
-                                 seeds, np.float32(mode.top_p))  # fmt: skip
+            new = rows._replace(
+                slots=np.where(rows.lens > s, rows.slots, W).astype(np.int32),
+                tokens=rows.tokens[:, s : s + C],
+                start=np.int32(s),
+            )
             new = jax.device_put(new)  # one transfer per chunk: the host's turn is overhead
             fn = self.target.executables.get(pool.prefill, tg, ts, dg, ds, self.pool, new,
                                              self.priors[W], options=self._xla,

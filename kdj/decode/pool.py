@@ -109,6 +109,15 @@ class Admission(NamedTuple):
     top_p: jax.Array  # [] float32 the pool's
 
 
+def blank(rows: int, width: int, free: int, top_p: float = 1.0) -> Admission:
+    """An admission of `rows` padding rows (slot `free`: dropped) of `width` prompt tokens,
+    numpy arrays for the host to fill in."""
+    return Admission(np.full(rows, free, np.int32), np.zeros((rows, width), np.int32),
+                     np.int32(0), np.zeros(rows, np.int32), np.ones(rows, np.int32),
+                     np.full((rows, STOP_WIDTH), -1, np.int32), np.ones(rows, np.float32),
+                     np.zeros(rows, np.uint32), np.float32(top_p))  # fmt: skip
+
+
 def _rows(cache: KVCache, slots) -> KVCache:
     """Rows `slots` of a pool's cache (out-of-range slots read a clipped row: their writes
     are dropped)."""
