@@ -144,23 +144,27 @@ def test_fixed_tiles_and_splits_keep_rows_equal(pair):
     assert jnp.allclose(layers.fixed_tile_matmul(x, w), x @ w, atol=1e-4, rtol=1e-4)
 
 
-def xla_dots(jaxpr) -> list[str]:
-    """The dot_generals of a jaxpr outside Pallas kernels (nested jaxprs included)."""
+def xla_order_dependent(jaxpr) -> list[str]:
+    """The ops of a jaxpr outside Pallas kernels (nested jaxprs included) whose float result
+    depends on an order XLA picks per shape: matmuls and float sums."""
     found = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "pallas_call":
             continue
-        if eqn.primitive.name == "dot_general":
-            found.append(str([v.aval for v in eqn.invars]))
+        name = eqn.primitive.name
+        floats = any(jnp.issubdtype(v.aval.dtype, jnp.floating) for v in eqn.invars)
+        if name == "dot_general" or (floats and name in ("reduce_sum", "cumsum")):
+            found.append(f"{name}{[v.aval for v in eqn.invars]}")
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            found += xla_dots(sub)
+            found += xla_order_dependent(sub)
     return found
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
-def test_every_dot_of_a_deterministic_gpu_forward_runs_on_fixed_kernels(family):
+def test_no_op_of_a_deterministic_gpu_forward_picks_its_order_by_shape(family):
     """With the GPU's policy in deterministic mode no matmul is left to XLA (whose GEMM is
-    picked per shape) in a decode or a verify pass: projections, logits, attention, MoE."""
+    picked per shape) in a decode or a verify pass: projections, logits, attention, MoE; nor
+    any float sum (XLA's reduction order follows the row count): norms, the MoE's combine."""
     shapes = {"llama": dict(hidden_size=64, head_dim=16),
               "deepseek_v3": dict(hidden_size=64, kv_lora_rank=32, qk_rope_head_dim=16,
                                   qk_nope_head_dim=16, v_head_dim=16)}  # fmt: skip
@@ -171,7 +175,18 @@ def test_every_dot_of_a_deterministic_gpu_forward_runs_on_fixed_kernels(family):
         toks, start = jnp.zeros((2, T), jnp.int32), jnp.zeros(2, jnp.int32)
         cache = init_cache(model.cfg, 2, 64, jnp.bfloat16)
         jaxpr = jax.make_jaxpr(lambda t, s, c: model(t, s, c)[0])(toks, start, cache)
-        assert xla_dots(jaxpr.jaxpr) == [], (family, T)
+        assert xla_order_dependent(jaxpr.jaxpr) == [], (family, T)
+
+
+def test_fixed_order_sum_adds_in_its_pairwise_tree():
+    """fixed_order_sum is the documented tree (zero padding, halves added), bit for bit."""
+    x = np.random.default_rng(0).standard_normal((3, 576)).astype(np.float32)
+    ref = np.concatenate([x, np.zeros((3, 1024 - 576), np.float32)], -1)
+    while ref.shape[-1] > 1:
+        ref = ref[:, : ref.shape[-1] // 2] + ref[:, ref.shape[-1] // 2 :]
+    got = np.asarray(layers.fixed_order_sum(jnp.asarray(x)))
+    assert got.shape == (3, 1) and (got.view(np.uint32) == ref.view(np.uint32)).all()
+    np.testing.assert_allclose(np.asarray(layers.fixed_order_sum(jnp.asarray(x.T), 0)).T, ref)
 
 
 def check_all_methods(family, target, drafter, ar, **kw):

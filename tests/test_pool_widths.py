@@ -259,7 +259,8 @@ def test_a_pool_that_wakes_late_gives_the_same_tokens_and_steps(vocab12_pair, gr
     finished, so the host turns are fewer, and newcomers are prefilled three rows at a time
     (admit_rows: several prefill calls per admission); every request still gets its tokens
     alone, and its steps are the steps it ran (those of the pool that wakes at every finish:
-    a finished slot riding along is not counted)."""
+    a finished slot riding along is not counted). Serving's wake_share (a share of the live
+    slots, here half) thins the host turns the same way and changes no token."""
     target, drafter = vocab12_pair
     prompts, budgets, *_ = waves()
     kw = {}
@@ -268,9 +269,9 @@ def test_a_pool_that_wakes_late_gives_the_same_tokens_and_steps(vocab12_pair, gr
     if method == "auto":
         request.getfixturevalue("switching")  # auto's inner runs cut short by a finish
 
-    def run(wake):
+    def run(wake, share=0.0):
         engine = Engine(target, 4, 64, 23, chunk_steps=64, widths=(2, 4), wake=wake,
-                        admit_rows=wake, **kw)  # fmt: skip
+                        wake_share=share, admit_rows=wake, **kw)  # fmt: skip
         ids = [engine.submit(Request(p, m, [])) for p, m in zip(prompts, budgets)]
         got, steps = {i: [] for i in ids}, {}
         while engine.busy:
@@ -281,8 +282,9 @@ def test_a_pool_that_wakes_late_gives_the_same_tokens_and_steps(vocab12_pair, gr
 
     tokens1, steps1, chunks1 = run(1)
     tokens3, steps3, chunks3 = run(3)
-    assert tokens1 == tokens3 == greedy_alone
-    assert chunks3 < chunks1
+    tokens_half, _, chunks_half = run(1, share=0.5)
+    assert tokens1 == tokens3 == tokens_half == greedy_alone
+    assert chunks3 < chunks1 and chunks_half < chunks1
     if method == "ar":
         assert steps3 == [len(t) - 1 for t in tokens3]
     if method == "dflash":  # greedy float32: a request's steps depend on it alone

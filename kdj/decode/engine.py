@@ -20,8 +20,9 @@ that holds its live slots and the requests that may join them: between chunks th
 packs the live rows into a narrower pool, or spreads them into a wider one before admitting
 (one gather program per pair of widths). A pool that stays full never moves.
 A newcomer's prefill stalls the running slots for ceil(longest prompt / prefill_chunk) calls
-of at most `admit_rows` rows, per group of newcomers; a slot finishing wakes the host (`wake`:
-1 when serving), so a free slot waits at most one chunk. AR, DFlash, DDTree and auto run
+of at most `admit_rows` rows, per group of newcomers; slots finishing wake the host (`wake`:
+1 when serving, or a share of the live slots, `wake_share`, with many in flight), so a free
+slot waits at most one chunk. AR, DFlash, DDTree and auto run
 on the pool; auto's menu is priced per width when the engine is built (it decides each
 width's compiled shapes), its forecasts are per slot (reset on admission, moved with their
 slot), and its draft-or-skip decision is the batch's, re-made at each admission, resize and
@@ -33,6 +34,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import math
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -52,6 +54,12 @@ HISTORY = 4096  # chunks whose width the engine remembers (chunk_widths)
 # prompt tokens per prefill call: one compiled shape for every prompt; long enough that a
 # prompt takes few calls, short enough that padding a short one costs about a verify step
 PREFILL_CHUNK = 256
+
+
+# a serving pool's host turn once this share of its live slots has finished (at least one):
+# with hundreds of streams a turn per finish would come nearly every step, each a turn's cost
+# and an update to every stream; a finished request waits for ~1/16 of the others instead
+SERVE_WAKE_SHARE = 1 / 16
 
 
 def bulk_wake(max_batch: int) -> int:
@@ -106,10 +114,11 @@ class Engine:
     at its own temperature; the pool switches mode when it drains. A request's token at
     position p is sampled with a key from (its seed, p), so its samples do not depend on its
     neighbours; without a seed of its own it gets one from `seed` and its id. The device
-    runs `chunk_steps` steps at most, and returns early once `wake` slots have finished:
-    1 serves each finished request at once; more keeps finished slots idle a little longer
-    for fewer host turns (bulk generation: with wake >= admit_rows, newcomers are admitted
-    in whole groups of admit_rows while more wait, so every prefill has one shape). Prompts
+    runs `chunk_steps` steps at most, and returns early once `wake` slots, or the share
+    `wake_share` of the live ones if more, have finished: 1 serves each finished request at
+    once; more keeps finished slots idle a little longer for fewer host turns (serving many
+    streams: SERVE_WAKE_SHARE; bulk generation: with wake >= admit_rows, newcomers are
+    admitted in whole groups of admit_rows while more wait, so every prefill has one shape). Prompts
     are prefilled `prefill_chunk` tokens per call. Not thread-safe: one thread drives `step`.
     widths: the ladder of compiled widths (ascending, ending at max_batch; default powers of
     4 below it); `menu` and `cost` may then be one per width (a mapping width -> value).
@@ -120,11 +129,14 @@ class Engine:
                  menu: tuple[DraftShape, ...] | Mapping[int, tuple[DraftShape, ...]] = (),
                  cost=None, calibration: float = 1.0, chunk_steps: int = 32, seed: int = 0,
                  widths: tuple[int, ...] | None = None, wake: int = 1,
-                 admit_rows: int = 64, prefill_chunk: int = PREFILL_CHUNK):  # fmt: skip
+                 wake_share: float = 0.0, admit_rows: int = 64,
+                 prefill_chunk: int = PREFILL_CHUNK):  # fmt: skip
         if min(max_batch, max_new_cap, chunk_steps, wake, admit_rows, prefill_chunk) < 1 or \
                 cache_size < 2:  # fmt: skip
             raise ValueError("max_batch, max_new_cap, chunk_steps, wake, admit_rows, "
                              "prefill_chunk >= 1 and cache_size >= 2")  # fmt: skip
+        if not 0 <= wake_share <= 1:
+            raise ValueError(f"wake_share must be in [0, 1]: {wake_share}")
         if target.sharding is not None:
             raise ValueError("the serving engine runs on one device (target has a mesh)")
         self.widths = ladder(max_batch, widths)
@@ -144,6 +156,7 @@ class Engine:
         if drafter is not None:
             self._drafting_plans(drafter, block_size, menu, cost)
         self.greedy, self.chunk_steps, self.wake = True, chunk_steps, wake
+        self.wake_share = wake_share
         self.admit_rows = admit_rows
         self.C = min(prefill_chunk, cache_size)  # prompt tokens per prefill call
         self.seed = seed
@@ -259,14 +272,16 @@ class Engine:
         updates = self._drop_cancelled()
         self._fit()
         self._admit()
-        if any(r is not None for r in self.slots):
+        live = sum(r is not None for r in self.slots)
+        if live:
             self.chunk_widths.append(self.width)
             tg, ts, dg, ds = self._graphs()
             plan = dataclasses.replace(self.plan, greedy=self.greedy)
             fn = self.target.executables.get(pool.chunk, tg, ts, dg, ds, self.pool,
                                              jnp.int32(0), jnp.int32(0), options=self._xla,
                                              plan=plan)  # fmt: skip
-            self.pool = fn(ts, ds, self.pool, jnp.int32(self.chunk_steps), jnp.int32(self.wake))
+            wake = max(self.wake, math.ceil(self.wake_share * live))
+            self.pool = fn(ts, ds, self.pool, jnp.int32(self.chunk_steps), jnp.int32(wake))
             updates += self._collect()
         return updates
 

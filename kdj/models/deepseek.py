@@ -19,6 +19,7 @@ from kdj.models.layers import (
     RMSNorm,
     apply_rope,
     attend_latent,
+    fixed_order_sum,
     head_matmul,
     matmul,
     param,
@@ -52,14 +53,18 @@ class MLAAttention(nnx.Module):
         if cfg.q_lora_rank:
             Q = cfg.q_lora_rank
             self.q_a = Linear(D, Q, ("embed", "q_lora"), **lin)
-            self.q_a_norm = RMSNorm(Q, cfg.rms_norm_eps, dtype=dtype, axes=("q_lora",))
+            self.q_a_norm = RMSNorm(
+                Q, cfg.rms_norm_eps, dtype=dtype, axes=("q_lora",), kernels=cfg.kernels
+            )
             self.q_b = Linear(Q, H * (N + R), ("q_lora", "q_heads"), **lin)
             self.q_proj = None
         else:
             self.q_a = self.q_a_norm = self.q_b = None
             self.q_proj = Linear(D, H * (N + R), ("embed", "q_heads"), **lin)
         self.kv_a = Linear(D, C + R, ("embed", "kv_lora"), **lin)
-        self.kv_a_norm = RMSNorm(C, cfg.rms_norm_eps, dtype=dtype, axes=("kv_lora",))
+        self.kv_a_norm = RMSNorm(
+            C, cfg.rms_norm_eps, dtype=dtype, axes=("kv_lora",), kernels=cfg.kernels
+        )
         self.w_uk = param(rngs, (H, N, C), ("heads", "head_dim", "kv_lora"), dtype, C**-0.5)
         self.w_uv = param(rngs, (H, C, V), ("heads", "kv_lora", "head_dim"), dtype, C**-0.5)
         self.o = Linear(H * V, D, ("q_heads", "embed"), **lin)
@@ -116,7 +121,7 @@ def route(x, router, bias, cfg: ModelConfig):
     idx = jax.lax.top_k(choice, cfg.num_experts_per_tok)[1]
     w = jnp.take_along_axis(scores, idx, axis=-1)
     if cfg.norm_topk_prob:
-        w = w / (w.sum(-1, keepdims=True) + 1e-20)
+        w = w / (fixed_order_sum(w) + 1e-20)  # fixed order: the same bits in any batch
     return w * cfg.routed_scaling_factor, idx.astype(jnp.int32)
 
 
@@ -258,8 +263,9 @@ def swiglu(gate, up, dtype):
 
 def combine(y, weights, dtype):
     """The routed experts' output per token: y [N, k, D] (each expert's output, model dtype)
-    weighted by the combine weights [N, k] float32 and summed in float32. -> [N, D] dtype."""
-    return (y.astype(jnp.float32) * weights[..., None]).sum(1).astype(dtype)
+    weighted by the combine weights [N, k] float32 and summed in float32 in a fixed order (the
+    same bits in any batch). -> [N, D] dtype."""
+    return fixed_order_sum(y.astype(jnp.float32) * weights[..., None], 1)[:, 0].astype(dtype)
 
 
 def expert_swiglu_grouped(x, weights, idx, w_gate_up, w_down):

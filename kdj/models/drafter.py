@@ -86,8 +86,12 @@ class DrafterAttention(nnx.Module):
         self.k = Linear(D, KVH * hd, ("embed", "kv_heads"), **lin)
         self.v = Linear(D, KVH * hd, ("embed", "kv_heads"), **lin)
         self.o = Linear(H * hd, D, ("q_heads", "embed"), **lin)
-        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype, axes=("head_dim",))
-        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype, axes=("head_dim",))
+        self.q_norm = RMSNorm(
+            hd, cfg.rms_norm_eps, dtype=dtype, axes=("head_dim",), kernels=cfg.kernels
+        )
+        self.k_norm = RMSNorm(
+            hd, cfg.rms_norm_eps, dtype=dtype, axes=("head_dim",), kernels=cfg.kernels
+        )
         self.cfg = cfg
 
     def keys_values(self, h, positions):
@@ -139,9 +143,11 @@ class DrafterAttention(nnx.Module):
 
 class DrafterLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs):
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.attn_norm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, kernels=cfg.kernels
+        )
         self.attn = DrafterAttention(cfg, dtype=dtype, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, kernels=cfg.kernels)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs,
                        kernels=cfg.kernels)  # fmt: skip
 
@@ -152,11 +158,11 @@ class DFlashDrafter(nnx.Module):
         D = lc.hidden_size
         self.fc = Linear(cfg.num_features * D, D, ("features", "embed"), dtype=dtype, rngs=rngs,
                          kernels=lc.kernels)  # fmt: skip
-        self.hidden_norm = RMSNorm(D, lc.rms_norm_eps, dtype=dtype)
+        self.hidden_norm = RMSNorm(D, lc.rms_norm_eps, dtype=dtype, kernels=lc.kernels)
         self.layers = nnx.List(
             [DrafterLayer(lc, dtype=dtype, rngs=rngs) for _ in range(lc.num_layers)]
         )
-        self.norm = RMSNorm(D, lc.rms_norm_eps, dtype=dtype)
+        self.norm = RMSNorm(D, lc.rms_norm_eps, dtype=dtype, kernels=lc.kernels)
         self.cfg = cfg
 
     def add_context(self, feats, start, cache: kvc.KVCache) -> kvc.KVCache:

@@ -113,15 +113,32 @@ class Linear(nnx.Module):
         return y if self.bias is None else y + self.bias[...]
 
 
+def fixed_order_sum(x, axis=-1):
+    """The sum over `axis` (kept, size 1) as a fixed pairwise tree: zero-padded to a power of
+    two, halves added elementwise. A row gets the same bits however many rows there are,
+    where XLA's reduction picks its summation order from the shape."""
+    x = jnp.moveaxis(x, axis, -1)
+    n = x.shape[-1]
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, (1 << (n - 1).bit_length()) - n)])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return jnp.moveaxis(x, -1, axis)
+
+
 class RMSNorm(nnx.Module):
-    def __init__(self, dim, eps, *, dtype, axes=("norm",)):
+    def __init__(self, dim, eps, *, dtype, axes=("norm",), kernels: KernelPolicy | None = None):
         self.weight = ones((dim,), axes, dtype)
         self.eps = eps
+        self.kernels = kernels  # set_kernels keeps it the model's policy
 
     def __call__(self, x):
         dtype = x.dtype
         x = x.astype(jnp.float32)
-        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        deterministic = self.kernels is not None and self.kernels.deterministic
+        sq = x * x
+        mean = fixed_order_sum(sq) / x.shape[-1] if deterministic else sq.mean(-1, keepdims=True)
+        x = x * jax.lax.rsqrt(mean + self.eps)
         return self.weight[...] * x.astype(dtype)
 
 

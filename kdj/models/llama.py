@@ -36,8 +36,12 @@ class GQAAttention(nnx.Module):
         self.o = Linear(H * hd, D, ("q_heads", "embed"), bias=cfg.o_bias, dtype=dtype, rngs=rngs,
                         kernels=cfg.kernels)  # fmt: skip
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype, axes=("head_dim",))
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype, axes=("head_dim",))
+            self.q_norm = RMSNorm(
+                hd, cfg.rms_norm_eps, dtype=dtype, axes=("head_dim",), kernels=cfg.kernels
+            )
+            self.k_norm = RMSNorm(
+                hd, cfg.rms_norm_eps, dtype=dtype, axes=("head_dim",), kernels=cfg.kernels
+            )
         else:
             self.q_norm = self.k_norm = None
         self.cfg = cfg

@@ -27,11 +27,11 @@ from kdj.models.llama import GQAAttention
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, index: int, *, dtype, rngs):
         D, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.attn_norm = RMSNorm(D, eps, dtype=dtype)
+        self.attn_norm = RMSNorm(D, eps, dtype=dtype, kernels=cfg.kernels)
         self.attn = (MLAAttention if cfg.family == "deepseek" else GQAAttention)(
             cfg, dtype=dtype, rngs=rngs
         )
-        self.mlp_norm = RMSNorm(D, eps, dtype=dtype)
+        self.mlp_norm = RMSNorm(D, eps, dtype=dtype, kernels=cfg.kernels)
         if cfg.is_moe_layer(index):
             self.mlp = MoE(cfg, dtype=dtype, rngs=rngs)
         else:
@@ -50,7 +50,7 @@ class Transformer(nnx.Module):
         self.layers = nnx.List(
             [Block(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)]
         )
-        self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
+        self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype, kernels=cfg.kernels)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tqdm import tqdm
 
 from kdj import api
-from kdj.decode.engine import Engine, Update
+from kdj.decode.engine import SERVE_WAKE_SHARE, Engine, Update
 from kdj.serve.text import Parsed, Served, TextStream, parse
 from kdj.serve.worker import Overloaded, Ticket, Worker
 
@@ -197,7 +197,7 @@ def make_app(target, name: str, *, drafter=None, method: str = "ar", block_size=
     drafting = api.pool_drafting(opts, target, drafter, max_batch, context, context / 2,
                                  widths=widths)  # fmt: skip
     engine = Engine(target, max_batch, context, context - 1, chunk_steps=chunk_steps, seed=seed,
-                    widths=widths, **drafting)  # fmt: skip
+                    widths=widths, wake_share=SERVE_WAKE_SHARE, **drafting)  # fmt: skip
     if warm:
         with tqdm(desc="compiling the pool's programs", unit="program") as bar:
 
