@@ -279,9 +279,9 @@ def test_init_from_an_exported_drafter(target, tmp_path):
 
 
 def test_grow_starts_a_deeper_drafter_where_the_shallow_one_was(target, tmp_path):
-    """drafter.grow: a 2-layer drafter's weights in a 3-layer trainer; the extra layer starts
-    as an identity block, so the first loss equals the 2-layer drafter's on the same batch,
-    and training then moves the new layer."""
+    """drafter.grow: a 2-layer drafter's weights in a 3-layer trainer with a wider FFN; the
+    extra layer starts as an identity block and the new FFN units silent, so the first loss
+    equals the 2-layer drafter's on the same batch, and training then moves both."""
     tokens, mask = pattern_data()
     cfg = tiny_drafter_cfg(target)
     a = DrafterTrainer(target, cfg, optim(steps=5), tokens, mask)
@@ -290,7 +290,7 @@ def test_grow_starts_a_deeper_drafter_where_the_shallow_one_was(target, tmp_path
     path = a.export(tmp_path / "drafter")
     taps = list(cfg.target_layer_ids)
     shape = DrafterShape(num_layers=3, block_size=BLOCK, mask_token_id=VOCAB - 1,
-                         intermediate_size=48, target_layer_ids=taps)  # fmt: skip
+                         intermediate_size=64, target_layer_ids=taps)  # fmt: skip
     deep_cfg = drafter_config_for(target.cfg, shape)
     with pytest.raises(ValueError, match="num_layers: 2 in the checkpoint, 3"):
         DrafterTrainer(target, deep_cfg, optim(steps=5), tokens, mask, init_from=path)
@@ -299,8 +299,12 @@ def test_grow_starts_a_deeper_drafter_where_the_shallow_one_was(target, tmp_path
     np.testing.assert_allclose(deep.train_step()["loss"], same.train_step()["loss"], rtol=1e-6)
     for _ in range(2):  # (the first step's learning rate is warmup's 0)
         deep.train_step()
-    new = nnx.to_pure_dict(deep.params)["layers"][2]
-    assert float(jnp.abs(new["mlp"]["down"]["kernel"]).max()) > 0  # trained away from zero
+    grown = nnx.to_pure_dict(deep.params)["layers"]
+    assert float(jnp.abs(grown[2]["mlp"]["down"]["kernel"]).max()) > 0  # trained away from zero
+    assert float(jnp.abs(grown[0]["mlp"]["down"]["kernel"][48:]).max()) > 0  # the new units
+    with pytest.raises(ValueError, match="intermediate_size 48, more than the 40 configured"):
+        narrow = drafter_config_for(target.cfg, dataclasses.replace(shape, intermediate_size=40))
+        DrafterTrainer(target, narrow, optim(steps=5), tokens, mask, init_from=path, grow=True)
     with pytest.raises(ValueError, match="more than the 1 configured"):
         one = drafter_config_for(target.cfg, dataclasses.replace(shape, num_layers=1,
                                  target_layer_ids=None))  # fmt: skip

@@ -49,8 +49,9 @@ class DrafterShape:
     # start from this DFlash drafter's weights (dir or built-in name) instead of random init;
     # fresh optimiser and schedule; out_dir checkpoints take precedence (see module docstring)
     init_from: str | None = None
-    # init_from may have fewer layers: they become the first layers, the rest start as
-    # identity blocks (kdj.train.trainer.grown_params), so training starts from its tau
+    # init_from may have fewer layers or a narrower FFN: its layers come first, the rest start
+    # as identity blocks, new FFN units silent (kdj.train.trainer.grown_params), so training
+    # starts from its tau
     grow: bool = False
 
 

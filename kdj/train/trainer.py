@@ -93,13 +93,14 @@ def load_init_params(source, drafter_cfg: DrafterConfig, grow: bool = False) -> 
     loaded = load_drafter(source, dtype=jnp.float32)
     have, want = _shape_fields(loaded.cfg), _shape_fields(drafter_cfg)
     unset = {"num_target_layers": -1, "vocab_size": 0}
-    if grow:  # the layer count (and the per-layer types it sizes) may only increase
-        if have["num_layers"] > want["num_layers"]:
-            raise ValueError(
-                f"drafter.grow: {str(source)!r} has {have['num_layers']} layers, more than the "
-                f"{want['num_layers']} configured"
-            )
-        for k in ("num_layers", "layer_types"):
+    if grow:  # the layer count and the FFN width (and the per-layer types) may only increase
+        for k in ("num_layers", "intermediate_size"):
+            if have[k] > want[k]:
+                raise ValueError(
+                    f"drafter.grow: {str(source)!r} has {k} {have[k]}, more than the "
+                    f"{want[k]} configured"
+                )
+        for k in ("num_layers", "layer_types", "intermediate_size"):
             have[k] = want[k]
     bad = [
         f"{k}: {have[k]} in the checkpoint, {want[k]} configured"
@@ -114,15 +115,30 @@ def load_init_params(source, drafter_cfg: DrafterConfig, grow: bool = False) -> 
     return nnx.to_pure_dict(loaded.state)
 
 
+def _widened_mlp(fresh: dict, init: dict) -> dict:
+    """init's SwiGLU in a wider FFN: its hidden units first; the fresh units' rows of the down
+    projection zero, so they add nothing until training moves them."""
+    gate_up, down = fresh["gate_up"], fresh["down"]["kernel"]
+    n = init["gate_up"].shape[-1]
+    return dict(
+        fresh,
+        gate_up=gate_up.at[..., :n].set(init["gate_up"]),
+        down=dict(fresh["down"], kernel=jnp.zeros_like(down).at[:n].set(init["down"]["kernel"])),
+    )
+
+
 def grown_params(fresh: dict, init: dict) -> dict:
-    """A deeper drafter that drafts exactly as `init` does: init's layers first, then the
-    fresh layers as identity blocks (attention output and MLP down projections zero, so each
-    adds nothing to the residual stream until training moves them)."""
+    """A deeper or wider drafter that drafts exactly as `init` does: init's layers first, then
+    the fresh layers as identity blocks (attention output and MLP down projections zero, so
+    each adds nothing to the residual stream until training moves them); a wider FFN keeps
+    init's hidden units and starts the new ones silent (_widened_mlp)."""
     out = dict(fresh, fc=init["fc"], hidden_norm=init["hidden_norm"], norm=init["norm"])
     layers = dict(fresh["layers"])
     for i in layers:
         if i in init["layers"]:
-            layers[i] = init["layers"][i]
+            layer = dict(init["layers"][i])
+            layer["mlp"] = _widened_mlp(layers[i]["mlp"], layer["mlp"])
+            layers[i] = layer
         else:
             layer = jax.tree.map(lambda x: x, layers[i])
             layer["attn"]["o"]["kernel"] = jnp.zeros_like(layer["attn"]["o"]["kernel"])
