@@ -211,8 +211,9 @@ def cmd_eval_acceptance(args) -> int:
     from kdj.train import evaluate
     from kdj.train.loop import chat_prompts
 
+    named = drafter_labels(args.drafter)
     target = kdj.load_target(args.target, dtype=_dtype(args.dtype))
-    drafter = kdj.load_drafter(args.drafter, target=target)
+    drafters = {label: kdj.load_drafter(src, target=target) for label, src in named.items()}
     if args.prompts:  # eval_prompts.json written by train-drafter: no dataset packages needed
         texts = json.loads(open(args.prompts).read())
     else:
@@ -224,15 +225,40 @@ def cmd_eval_acceptance(args) -> int:
                 for name in args.datasets if texts.get(name)}  # fmt: skip
     if not datasets:
         raise SystemExit(f"no prompts for {args.datasets} in {args.prompts or 'the packages'}")
-    meta = {"target": args.target, "drafter": args.drafter, "num_prompts": n,
-            "max_new_tokens": args.max_new_tokens}  # fmt: skip
-    report = evaluate.eval_acceptance(
-        target, drafter, datasets, budgets=args.budgets, temperatures=args.temperatures,
-        max_new_tokens=args.max_new_tokens, out_dir=args.out, meta=meta,
-    )  # fmt: skip
-    js, png = evaluate.write_report(report, args.out, meta)
-    print(f"wrote {js} and {png}")
+    ar_runs: dict = {}  # one AR run per (set, temperature), shared by every drafter
+    reports = {}
+    for label, drafter in drafters.items():
+        out = Path(args.out) / label if len(drafters) > 1 else Path(args.out)
+        meta = {"target": args.target, "drafter": named[label], "num_prompts": n,
+                "max_new_tokens": args.max_new_tokens, "deterministic": args.deterministic,
+                "dtype": args.dtype}  # fmt: skip
+        reports[label] = evaluate.eval_acceptance(
+            target, drafter, datasets, budgets=args.budgets, temperatures=args.temperatures,
+            max_new_tokens=args.max_new_tokens, out_dir=out, meta=meta,
+            deterministic=args.deterministic, ar_runs=ar_runs,
+        )  # fmt: skip
+        js, png = evaluate.write_report(reports[label], out, meta)
+        print(f"{label}: wrote {js} and {png}")
+    if len(reports) > 1:
+        print(evaluate.compare_table(reports))
     return 0
+
+
+def drafter_labels(specs: list[str]) -> dict[str, str]:
+    """--drafter values ("NAME=SOURCE" or a bare SOURCE, labelled by its last path part) ->
+    {label: source}; two drafters may not share a label (their reports share a folder)."""
+    named: dict[str, str] = {}
+    for spec in specs:
+        label, sep, src = spec.partition("=")
+        if not sep:
+            label, src = Path(spec.rstrip("/")).name, spec
+        if not label or not src:
+            raise SystemExit(f"--drafter {spec!r}: give NAME=SOURCE or a drafter dir / name")
+        if label in named:
+            raise SystemExit(f"--drafter: two drafters are labelled {label!r}; name them "
+                             "apart with NAME=SOURCE")  # fmt: skip
+        named[label] = src
+    return named
 
 
 def cmd_tune(args) -> int:
@@ -410,7 +436,13 @@ def parser() -> argparse.ArgumentParser:
     )
     t.set_defaults(fn=cmd_train_drafter)
     e = sub.add_parser("eval-acceptance", help="tau and speed of DFlash / DDTree vs AR")
-    e.add_argument("--drafter", required=True, help="DFlash drafter checkpoint dir")
+    e.add_argument("--drafter", required=True, nargs="+",
+                   help="DFlash drafter dir or built-in name; several (NAME=SOURCE to label "
+                   "them) are compared in one process against one AR run, a report each in "
+                   "OUT/NAME")  # fmt: skip
+    e.add_argument("--deterministic", action="store_true",
+                   help="deterministic mode: tau depends only on the weights and prompts "
+                   "(bf16 default kernels move it between processes); slower")  # fmt: skip
     d = " (default: %(default)s)"
     e.add_argument("--target", default="smollm2-135m-instruct", help="target to evaluate" + d)
     e.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto" + d)

@@ -3,12 +3,16 @@ writes an Orbax checkpoint that loads back to identical logits."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import kdj
 from kdj.cli import main
 from tests.hf_models import build
+
+ASSET = str(Path(kdj.__file__).parent / "assets" / "smollm2-135m-dflash-b16")
 
 
 def test_generate_default_model(capsys):
@@ -93,6 +97,33 @@ def test_train_drafter_overrides_reach_the_config(monkeypatch):
     assert (cfg.optim.steps, cfg.drafter.num_layers, cfg.out_dir) == (7, 2, "out/x")
     assert cfg.drafter.init_from is None
     assert tuple(cfg.drafter.target_layer_ids) == (1, 10, 18, 27)  # fixed across depths
+
+
+def test_eval_acceptance_compares_drafters_against_one_ar_run(tmp_path, capsys):
+    """Several drafters in one process: a report each, one shared AR run, a side-by-side
+    table; in deterministic mode two copies of one drafter get the same tau."""
+    import json
+    import shutil
+
+    copy = shutil.copytree(ASSET, tmp_path / "copy")
+    prompts = tmp_path / "eval_prompts.json"
+    prompts.write_text(json.dumps({"sharegpt": ["Name three colours."]}))
+    out = tmp_path / "acc"
+    argv = ["eval-acceptance", "--drafter", f"shipped={ASSET}", str(copy), "--prompts",
+            str(prompts), "--datasets", "sharegpt", "--num-prompts", "1", "--max-new-tokens",
+            "6", "--budgets", "4", "--temperatures", "0", "--dtype", "bfloat16",
+            "--deterministic", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    got = {k: json.loads((out / k / "acceptance.json").read_text()) for k in ("shipped", "copy")}
+    assert all(g["meta"]["deterministic"] for g in got.values())
+    res = {k: g["results"]["sharegpt"]["T=0"] for k, g in got.items()}
+    assert res["shipped"]["ar"] == res["copy"]["ar"]  # the same run, not a second one
+    assert res["shipped"]["dflash"]["tau"] == res["copy"]["dflash"]["tau"] > 1
+    assert res["shipped"]["ddtree"]["4"]["tau"] == res["copy"]["ddtree"]["4"]["tau"]
+    table = capsys.readouterr().out
+    assert "| sharegpt | 0 | shipped |" in table and "| sharegpt | 0 | copy |" in table
+    with pytest.raises(SystemExit, match="two drafters are labelled 'copy'"):
+        main(["eval-acceptance", "--drafter", str(copy), f"copy={ASSET}", "--out", str(out)])
 
 
 def test_eval_acceptance_runs_only_the_sets_asked_for(tmp_path):

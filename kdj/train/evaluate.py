@@ -2,7 +2,11 @@
 DDTree (tree budgets B) against plain AR decoding, on held-out ShareGPT and HumanEval.
 
 Every configuration runs the same prompts as one batch in the same process, so the tokens/s
-of AR, DFlash and DDTree are comparable (compile time is excluded by kdj.generate).
+of AR, DFlash and DDTree are comparable (compile time is excluded by kdj.generate). Drafters
+compared in one process share the AR runs (`ar_runs`). In bf16 the default kernels round a
+step by the shapes and algorithms the process picks, so tau moves between processes;
+deterministic=True (kdj.generate's deterministic mode) makes tau a function of the weights
+and prompts alone, comparable across processes and machines.
 Results: a JSON report and a PNG plot of tau and speedup against the tree budget.
 """
 
@@ -66,12 +70,17 @@ def eval_acceptance(
     log=print,
     out_dir=None,
     meta: dict | None = None,
+    deterministic: bool = False,
+    ar_runs: dict | None = None,
 ) -> dict:
     """datasets: name -> prompts (token ids). Returns
     {name: {"T=<t>": {"ar": {...}, "dflash": {...}, "ddtree": {"<B>": {...}}}}}, each leaf
     with tau, tokens_per_s and speedup (against AR at the same temperature), or an error.
-    With out_dir, the JSON and PNG are rewritten after every (dataset, temperature)."""
+    With out_dir, the JSON and PNG are rewritten after every (dataset, temperature).
+    ar_runs: AR's results by (dataset, temperature), filled on first use, so several drafters
+    evaluated in one process run AR once and are priced against the same run."""
     report: dict = {}
+    ar_runs = {} if ar_runs is None else ar_runs
     for name, prompts in datasets.items():
         for t in temperatures:
             run = dict(
@@ -80,8 +89,12 @@ def eval_acceptance(
                 temperature=t,
                 max_new_tokens=max_new_tokens,
                 seed=seed,
+                deterministic=deterministic,
             )
-            ar = _run(drafter=None, method="ar", **run)
+            key = (name, float(t))
+            if key not in ar_runs:
+                ar_runs[key] = _run(drafter=None, method="ar", **run)
+            ar = ar_runs[key]
             res = {"ar": ar, "dflash": _run(drafter=drafter, method="dflash", **run)}
             res["ddtree"] = {
                 str(b): _run(drafter=drafter, method="ddtree", tree_budget=b, **run)
@@ -99,6 +112,27 @@ def eval_acceptance(
                 f"{d.get('tau', float('nan')):.2f}, {d.get('speedup', float('nan')):.2f}x"
             )
     return report
+
+
+def compare_table(reports: dict[str, dict]) -> str:
+    """Drafters side by side (reports: label -> eval_acceptance's report): a Markdown table of
+    tau per set and temperature, DFlash then each DDTree budget."""
+    first = next(iter(reports.values()))
+    budgets = sorted({b for per_t in first.values() for r in per_t.values() for b in r["ddtree"]},
+                     key=int)  # fmt: skip
+    head = ["set", "T", "drafter", "DFlash tau", *(f"DDTree {b}" for b in budgets)]
+    rows = [head, ["---"] * len(head)]
+
+    def tau(r):
+        return f"{r['tau']:.3f}" if "tau" in r else "-"
+
+    for name, per_t in first.items():
+        for t in per_t:
+            for label, report in reports.items():
+                res = report[name][t]
+                rows.append([name, t[2:], label, tau(res["dflash"]),
+                             *(tau(res["ddtree"].get(b, {})) for b in budgets)])  # fmt: skip
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
 
 
 def plot_report(report: dict, path) -> Path:
