@@ -435,7 +435,7 @@ def test_training_configs_parse_and_continue_fits_the_shipped_drafter():
     assert more.drafter == cfg.drafter  # continues the same shipped drafter
     assert cfg.drafter.init_from is not None
     # every training YAML parses; the from-scratch 2-layer run made the shipped drafter, whose
-    # shape the continue configs describe
+    # shape the continue configs describe (its FFN widened 1536 -> 3072 since: drafter.grow)
     from pathlib import Path
 
     configs = sorted((Path(__file__).resolve().parents[1] / "configs" / "train").glob("*.yaml"))
@@ -444,7 +444,9 @@ def test_training_configs_parse_and_continue_fits_the_shipped_drafter():
         TrainConfig.from_yaml(path)
     two = TrainConfig.from_yaml("configs/train/smollm2-b16-2layer.yaml")
     assert two.drafter.init_from is None and two.drafter.num_layers == 2
-    assert two.drafter == dataclasses.replace(cfg.drafter, init_from=None)
+    assert two.drafter == dataclasses.replace(cfg.drafter, init_from=None, intermediate_size=1536)
+    online = TrainConfig.from_yaml("configs/train/smollm2-online.yaml")
+    assert online.drafter == dataclasses.replace(cfg.drafter, grow=False)
     target_cfg = ModelConfig.from_hf(read_gguf(smollm2_gguf_path())[0])
     params = load_init_params(cfg.drafter.init_from, drafter_config_for(target_cfg, cfg.drafter))
     assert params["fc"]["kernel"].dtype == jnp.float32
@@ -1039,7 +1041,13 @@ def test_online_rounds_train_on_fresh_data_and_resume(target, tmp_path, monkeypa
     assert first["steps"] == 2 and s1["rounds"] == 1
     assert s1["sharegpt_sequences"] + s1["magpie_sequences"] == s1["sequences"] == 8
     assert s1["stream_pos"] == s1["sharegpt_sequences"] >= 4
+    asked = []  # the second call evaluates in deterministic mode (eval.deterministic)
+    real_generate = kdj.generate
+    monkeypatch.setattr(kdj, "generate", lambda *a, **k: asked.append(k.get("deterministic"))
+                        or real_generate(*a, **k))  # fmt: skip
+    cfg.eval.deterministic = True
     second = run_online(cfg, log=lambda *_: None)
+    assert asked and all(asked)
     s2 = second["state"]
     assert second["steps"] == 4 and s2["rounds"] == 2 and s2["magpie_rounds"] == 2
     assert second["window_start"]["stream_pos"] == s1["stream_pos"]  # resumed, not redrawn

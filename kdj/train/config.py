@@ -128,6 +128,9 @@ class EvalConfig:
     num_prompts: int = 8
     max_new_tokens: int = 128
     temperature: float = 0.0
+    # generate(deterministic=True): tau a function of the weights and prompts alone, so figures
+    # from different processes (calls, windows) compare; the default kernels move it ~0.05
+    deterministic: bool = False
 
 
 @dataclass

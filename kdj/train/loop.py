@@ -16,8 +16,9 @@ from kdj.train.trainer import DrafterTrainer, drafter_config_for
 
 
 def held_out_tau(
-    target, drafter, prompts, max_new_tokens: int, temperature: float = 0.0, seed: int = 0
-) -> dict:
+    target, drafter, prompts, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+    deterministic: bool = False,
+) -> dict:  # fmt: skip
     """DFlash on held-out prompts: mean acceptance (tokens per step, bonus included)."""
     import kdj
 
@@ -29,6 +30,7 @@ def held_out_tau(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         seed=seed,
+        deterministic=deterministic,
     )
     s = out.stats
     return {
@@ -185,9 +187,9 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     )
 
     def evaluate():
-        r = held_out_tau(
-            target, trainer.drafter(), eval_prompts, cfg.eval.max_new_tokens, cfg.eval.temperature
-        )
+        e = cfg.eval
+        r = held_out_tau(target, trainer.drafter(), eval_prompts, e.max_new_tokens, e.temperature,
+                         deterministic=e.deterministic)  # fmt: skip
         return dict(r, step=trainer.step)
 
     log_path = out / "train_log.jsonl"

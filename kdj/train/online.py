@@ -225,9 +225,10 @@ def run_online(cfg, log=print) -> dict:
 
     def evaluate():
         results = {}
+        e = cfg.eval
         for name, tr in trainers.items():
-            r = held_out_tau(target, tr.drafter(), eval_prompts, cfg.eval.max_new_tokens,
-                             cfg.eval.temperature)  # fmt: skip
+            r = held_out_tau(target, tr.drafter(), eval_prompts, e.max_new_tokens, e.temperature,
+                             deterministic=e.deterministic)  # fmt: skip
             results[name] = dict(r, step=tr.step)
         return dict(results["main"], sequences=state.sequences, drafters=results)
 
