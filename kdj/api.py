@@ -79,9 +79,10 @@ def generate(
     `menu` (default auto.DEFAULT_MENU: "none", "chain", "chainN", "treeN") what maximises
     expected tokens per second, from the drafter's confidence (temperature-scaled by
     `calibration`, default the drafter's fitted one) and `cost` (a kdj.cost.StepCost or its
-    JSON path: an override; "tune": time this machine's steps first, said on stderr; default:
-    the cost `kdj tune` cached for this pair, device and batch bucket, else an estimate from
-    the target's shapes). Before
+    JSON path: an override; "tune": time this machine's steps first, said on stderr;
+    "estimate": an estimate from the target's shapes; default: the cost a tuning pass cached
+    for this pair, device and batch bucket, else, on an accelerator, such a pass at first use
+    (said on stderr), else the estimate: kdj/decode/tune.py). Before
     compiling, auto drops the entries that cannot pay at this batch size (auto.paying_menu;
     stats["menu"] lists the rest); with none left it runs plain decoding, every step a
     "skip". max_new_tokens may be one int or one per prompt; stop_tokens one list or one list

@@ -21,6 +21,7 @@ DEFAULTS = {
         "block_size": None,
         "tree_budget": None,
         "deterministic": False,
+        "cost": None,  # auto's step costs: a StepCost JSON, "tune", "estimate" (kdj.generate)
     },
 }
 
@@ -121,7 +122,7 @@ def cmd_serve(args) -> int:
                    max_tokens=dec["max_new_tokens"], max_queue=args.max_queue,
                    chunk_steps=args.chunk_steps, temperature=dec["temperature"],
                    top_p=dec["top_p"], seed=dec["seed"], widths=args.widths,
-                   warm=WARM_MODES[args.warm])  # fmt: skip
+                   warm=WARM_MODES[args.warm], cost=dec["cost"])  # fmt: skip
     # SIGTERM: uvicorn stops accepting, lets in-flight requests finish for up to
     # --grace seconds, then the app's shutdown cancels the rest
     uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace)

@@ -200,8 +200,22 @@ def test_tuning_pass_times_the_menu_caches_by_key_and_auto_reads_it(
     tuned = kdj.generate(target, [[3, 1, 4]] * 5, cost="tune", **kw)
     assert tuned.tokens == kdj.generate(target, [[3, 1, 4]] * 5, method="ar", max_new_tokens=12,
                                         stop_tokens=[]).tokens  # fmt: skip
-    assert "tuning auto's step costs at batch 8" in capsys.readouterr().err
+    assert "tuning asked for at batch 8: tuning auto's step costs now" in capsys.readouterr().err
     assert tune.cached(target, drafter, 8) is not None
+    # on the CPU auto's default prices an untuned bucket with the shape estimate, silently;
+    # on an accelerator its first use there runs the pass, says so, and later uses read it
+    one = [[3, 1, 4]] * 9  # bucket 16, never tuned
+    assert tune.resolve(None, target, drafter, shapes, 9, 16.0) is None
+    assert not tune.tunes_at_first_use()
+    monkeypatch.setattr(tune, "tunes_at_first_use", lambda: True)
+    assert kdj.generate(target, one, cost="estimate", **kw).tokens == kdj.generate(
+        target, one, method="ar", max_new_tokens=12, stop_tokens=[]).tokens  # fmt: skip
+    assert tune.cached(target, drafter, 9) is None and not capsys.readouterr().err
+    first = kdj.generate(target, one, **kw)
+    assert "no tuned step costs for this pair at batch 16" in capsys.readouterr().err
+    assert tune.cached(target, drafter, 9) is not None
+    assert kdj.generate(target, one, **kw).tokens == first.tokens
+    assert "tuning" not in capsys.readouterr().err  # cached: no second pass
 
 
 def test_fixed_methods_do_no_forecast_work_unless_asked(target):

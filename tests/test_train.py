@@ -1018,6 +1018,7 @@ def test_online_rounds_train_on_fresh_data_and_resume(target, tmp_path, monkeypa
     shape = DrafterShape(num_layers=1, block_size=BLOCK, mask_token_id=VOCAB - 1,
                          intermediate_size=48)  # fmt: skip
     base = data_cfg(tmp_path, path, turns="all", max_response_tokens=6, gen_batch_size=4)
+    twice = {"labels": "target", "passes": 2, "steps": 8}
     cfg = TrainConfig(
         out_dir=str(tmp_path / "run"),
         target_dtype="float32",
@@ -1029,8 +1030,9 @@ def test_online_rounds_train_on_fresh_data_and_resume(target, tmp_path, monkeypa
             magpie_max_tokens=10,
             eval_every_rounds=0,
             sharegpt_temperatures=[0.0, 1.0],
-            # the same drafter learning the target's greedy labels, on the same rounds
-            compare={"greedy": dict(dataclasses.asdict(shape), optim={"labels": "target"})},
+            # the same drafter learning the target's greedy labels, on the same rounds, two
+            # passes over each (optim.passes) on a schedule twice as long
+            compare={"greedy": dict(dataclasses.asdict(shape), optim=twice)},
         ),  # fmt: skip
         optim=OptimConfig(steps=4, batch_size=4, anchors_per_seq=4, max_len=80, lr=1e-3),
     )
@@ -1061,6 +1063,8 @@ def test_online_rounds_train_on_fresh_data_and_resume(target, tmp_path, monkeypa
     assert drafter.cfg.layers.num_layers == 1
     assert all("greedy" in r for r in rounds if "stream" in r)  # trained beside main
     assert set(second["final_eval"]["drafters"]) == {"main", "greedy"}
+    steps = {k: d["step"] for k, d in second["final_eval"]["drafters"].items()}
+    assert steps == {"main": 4, "greedy": 8}  # two passes a round, each round's data
     kdj.load_drafter(tmp_path / "run" / "greedy" / "drafter", target=target)
 
 
@@ -1076,6 +1080,8 @@ def test_compare_entries_take_optim_overrides_and_reject_unknown_keys():
         OnlineConfig(compare={"g": {"optim": {"lr_x": 1.0}}})
     with pytest.raises(ValueError, match="optim.labels must be one of"):
         TrainConfig.from_dict({"optim": {"labels": "argmax"}})
+    with pytest.raises(ValueError, match="optim.passes must be a positive number"):
+        TrainConfig.from_dict({"optim": {"passes": 0}})
 
 
 def test_depth_rates_are_conditional_acceptance_per_draft_position():

@@ -8,8 +8,12 @@ few repetitions after one compile. `StepCost.fit` turns them into coefficients a
 
 The result is cached as JSON under the user's cache directory ($XDG_CACHE_HOME or ~/.cache,
 then kdj/costs/), one file per key: kdj version, device kind, dtype, the target's and the
-drafter's shapes, batch bucket. auto reads a cached cost when there is one; a tuning pass
-only runs when asked for (`kdj tune`, or generate(cost="tune"), which says so on stderr).
+drafter's shapes, batch bucket. auto reads a cached cost when there is one. Without one, on
+an accelerator, auto's first use at a batch bucket runs the pass and says so on stderr
+(a committed cost file, fitted on another machine, drafter or kdj, is an override, never the
+default); on the CPU, where a pass over a real model takes minutes, auto prices with the
+estimate from the model's shapes. `kdj tune` or generate(cost="tune") runs a pass anywhere;
+cost="estimate" never does.
 """
 
 from __future__ import annotations
@@ -127,17 +131,30 @@ def tune(target, drafter, shapes, batch: int, context: int = CONTEXT, progress=s
     return cost, timings, cost.save(path)
 
 
+def tunes_at_first_use() -> bool:
+    """Whether auto tunes by itself where no pass cached a cost: on accelerators only."""
+    return jax.default_backend() != "cpu"
+
+
 def resolve(cost, target, drafter, shapes, batch: int, context: float):
     """generate's `cost` argument for auto: a StepCost or its JSON path as given (an override);
-    "tune": a tuning pass now (said on stderr); None: this machine's tuned cost when a pass
-    cached one, else None (auto's estimate from the model's shapes)."""
-    if isinstance(cost, str) and cost == "tune":
-        print(f"kdj: tuning auto's step costs at batch {bucket(batch)} (once; cached in "
-              f"{cache_dir()})", file=sys.stderr)  # fmt: skip
-        return tune(target, drafter, shapes, batch, max(int(context), 1))[0]
+    "tune": a tuning pass now; "estimate": None (auto's estimate from the model's shapes);
+    None: this machine's tuned cost when a pass cached one, else a pass now on an accelerator
+    (tunes_at_first_use), else the estimate. A pass says so on stderr."""
+    if isinstance(cost, str) and cost == "estimate":
+        return None
     if cost is None:
-        return cached(target, drafter, batch)
-    return cost
+        found = cached(target, drafter, batch)
+        if found is not None or not tunes_at_first_use():
+            return found
+        why = f"no tuned step costs for this pair at batch {bucket(batch)} on this device yet"
+    elif isinstance(cost, str) and cost == "tune":
+        why = f"tuning asked for at batch {bucket(batch)}"
+    else:
+        return cost
+    print(f"kdj: {why}: tuning auto's step costs now (once; cached in {cache_dir()}; "
+          'cost="estimate" skips this)', file=sys.stderr)  # fmt: skip
+    return tune(target, drafter, shapes, batch, max(int(context), 1))[0]
 
 
 def table(timings) -> str:

@@ -177,14 +177,16 @@ def make_app(target, name: str, *, drafter=None, method: str = "ar", block_size=
              tree_budget=None, max_batch: int = 8, context: int = 2048, max_tokens: int = 256,
              max_queue: int = 64, chunk_steps: int = 16, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, widths=None,
-             warm: tuple[bool, ...] = ()) -> FastAPI:  # fmt: skip
+             warm: tuple[bool, ...] = (), cost=None) -> FastAPI:  # fmt: skip
     """The app serving `target` (a kdj.Target with a tokenizer) as model `name`: a pool of
     max_batch slots of `context` tokens each, up to max_queue requests waiting;
     max_tokens / temperature / top_p are the defaults of a request that gives none; widths:
     the pool's ladder of compiled widths (kdj/decode/engine.py `Engine`). With a
     `drafter`, method "dflash", "ddtree" or "auto" (block_size, tree_budget as kdj.generate
     takes them) decodes speculatively in the pool; auto's default menu is priced once per
-    width of the ladder, at half a slot's context (requests' lengths are not known yet).
+    width of the ladder, at half a slot's context (requests' lengths are not known yet),
+    with `cost` as kdj.generate takes it (default: each width's tuned cost, tuned now on an
+    accelerator where none is cached).
     warm: the modes (greedy True, sampled False) whose programs are all compiled now, so
     no such request waits for a compile (Engine.warm)."""
     if target.tokenizer is None:
@@ -195,7 +197,7 @@ def make_app(target, name: str, *, drafter=None, method: str = "ar", block_size=
     stop_ids = tuple(sorted(tok.stop_ids or target.cfg.eos_token_ids))
     cap = min(max_tokens, context - 1)
     drafting = api.pool_drafting(opts, target, drafter, max_batch, context, context / 2,
-                                 widths=widths)  # fmt: skip
+                                 cost, widths)  # fmt: skip
     engine = Engine(target, max_batch, context, context - 1, chunk_steps=chunk_steps, seed=seed,
                     widths=widths, wake_share=SERVE_WAKE_SHARE, **drafting)  # fmt: skip
     if warm:

@@ -113,8 +113,14 @@ class OptimConfig:
     log_every: int = 20
     ckpt_every: int = 500
     seed: int = 0
+    # online distillation: training passes over each round's fresh sequences (each pass a
+    # new order and new anchors), so a generated token trains more than one step
+    passes: int = 1
 
     def __post_init__(self):
+        p = self.passes
+        if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+            raise ValueError(f"optim.passes must be a positive number of passes, not {p!r}")
         if self.labels not in LABELS:
             raise ValueError(f"optim.labels must be one of {LABELS}, not {self.labels!r}")
         c = self.head_chunk

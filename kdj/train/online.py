@@ -1,5 +1,5 @@
-"""Online distillation: generate fresh target responses, train the drafter on them once,
-repeat until the time budget is spent.
+"""Online distillation: generate fresh target responses, train the drafter on them (once, or
+optim.passes times), repeat until the time budget is spent.
 
 The GPU comes in short windows and regenerated data cannot be kept between them, so data is
 bounded by GPU time, not by storage: each round answers `sequences_per_round` new prompts
@@ -261,11 +261,14 @@ def run_online(cfg, log=print) -> dict:
             break
         t0 = time.perf_counter()
         tokens, mask, rec = draw_round(target, turns, cfg, online, state, capacity)
-        steps = min(len(tokens) // o.batch_size, o.steps - trainer.step)
-        t1 = time.perf_counter()
+        t1, before = time.perf_counter(), trainer.step
         for name, tr in trainers.items():
             tr.set_data(tokens, mask)
+            per_pass = len(tokens) // tr.optim.batch_size  # optim.passes over the round
+            steps = max(0, min(tr.optim.passes * per_pass, tr.optim.steps - tr.step))
             window = [tr.train_step() for _ in range(steps)]
+            if not window:  # a compared drafter whose schedule has ended
+                continue
             m = {k: float(np.mean([w[k] for w in window])) for k in window[0]}
             if name == "main":
                 metrics = m
@@ -273,6 +276,7 @@ def run_online(cfg, log=print) -> dict:
                 rec[name] = m
         train_s = time.perf_counter() - t1
         state.rounds += 1
+        steps = trainer.step - before
         rec.update(metrics, round=state.rounds, step=trainer.step, train_s=train_s,
                    train_seq_per_s=steps * o.batch_size / train_s, minutes=minutes())  # fmt: skip
         write(rec)
