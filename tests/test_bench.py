@@ -485,3 +485,33 @@ def test_train_step_flops_count_the_shapes(tiny):
     moe = harness.model_config(str(tiny["moe"]))
     with pytest.raises(ValueError, match="dense GQA"):
         bench.step_flops(moe, harness.drafter_config(moe, ""), 2, 32, 2, greedy=False)
+
+
+def test_campaign_plot_follows_the_shipped_drafter_and_branches_the_compared(tmp_path):
+    """The shipped line continues `main` unless a window names another; compared drafters
+    branch off at their window's start; tokens accumulate over rounds."""
+    plot = load_bench("campaign_plot")
+
+    def ev(tau, **drafters):
+        return {"eval": {"tau": tau, "drafters": {k: {"tau": v} for k, v in drafters.items()}}}
+
+    rows = [
+        {"call": "w1", **ev(1.0, main=1.0)},
+        {"call": "w1", "response_tokens": 2_000_000},
+        {"call": "w1", **ev(1.2, main=1.2)},
+        {"call": "w2", **ev(1.1, main=1.1, wide=1.1)},
+        {"call": "w2", "response_tokens": 1_000_000},
+        {"call": "w2", **ev(1.3, main=1.25, wide=1.3)},
+    ]
+    lines = plot.curves(rows, {"w2": "wide"})
+    assert lines["shipped"] == [(0.0, 1.0), (2.0, 1.2), (2.0, 1.1), (3.0, 1.3)]
+    assert lines["w2 main"] == [(2.0, 1.2), (2.0, 1.1), (3.0, 1.25)]  # off the shipped line
+    assert plot.main(["--log", str(_jsonl(tmp_path, rows)), "--lineage", "w2=wide",
+                      "--out", str(tmp_path / "c.png")]) == 0  # fmt: skip
+    assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def _jsonl(tmp_path, rows):
+    path = tmp_path / "campaign.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
