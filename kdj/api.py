@@ -309,7 +309,10 @@ def pool_drafting(opts: Options, target, drafter, max_batch: int, cache_size: in
         return {}
     shapes = arguments.cap_trees(opts.shapes, arguments.tree_cap(cache_size, [1]))
     ladder = widths_ladder(max_batch, widths)
-    priced = {w: priced_menu(shapes, target, drafter, w, context, cost) for w in ladder}
+    costs = dict.fromkeys(ladder, cost)
+    if len(shapes) > 1:  # only auto prices a menu: one tuning pass for the whole ladder
+        costs = tune.resolve_widths(cost, target, drafter, shapes, ladder, context)
+    priced = {w: priced_menu(shapes, target, drafter, w, context, costs[w]) for w in ladder}
     if all(s.kind == "none" for menu, _ in priced.values() for s in menu):
         return {}
     return {"drafter": drafter, "block_size": opts.block_size,

@@ -218,6 +218,49 @@ def test_tuning_pass_times_the_menu_caches_by_key_and_auto_reads_it(
     assert "tuning" not in capsys.readouterr().err  # cached: no second pass
 
 
+def test_a_pools_ladder_is_tuned_in_one_pass_over_three_widths(
+    target, drafter, tmp_path, monkeypatch, capsys
+):
+    """A pool prices auto at every width of its ladder: at first use one pass times the
+    smallest, middle and largest buckets, fits one cost and caches it for every width; a
+    fixed method on a pool tunes nothing."""
+    import io
+
+    from kdj.decode import auto, tune
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(tune, "tunes_at_first_use", lambda: True)
+    shapes = auto.parse_menu("auto", ["none", "chain", "tree5"], 4, None)
+    timed, real = [], tune._time_verify
+
+    def spy(t, B, n, c):
+        timed.append(B)
+        return real(t, B, n, c)
+
+    monkeypatch.setattr(tune, "_time_verify", spy)
+    bar = io.StringIO()
+    costs = tune.tune_widths(target, drafter, shapes, [1, 2, 4, 8, 16], context=16, progress=bar)
+    assert sorted(set(timed)) == [1, 4, 16] and "15/15" in bar.getvalue()
+    assert len({id(c) for c in costs.values()}) == 1 and set(costs) == {1, 2, 4, 8, 16}
+    assert all(tune.cached(target, drafter, w) == costs[1] for w in (1, 2, 4, 8, 16))
+    # cached now: resolve_widths reads it, no pass; a width never tuned would run one
+    timed.clear()
+    got = tune.resolve_widths(None, target, drafter, shapes, [1, 2, 4], 16.0)
+    assert got == dict.fromkeys([1, 2, 4], costs[1]) and not timed
+    assert tune.resolve_widths("estimate", target, drafter, shapes, [32], 16.0) == {32: "estimate"}
+    capsys.readouterr()
+    prompts = [[3, 1, 4]] * 5
+    kw = dict(drafter=drafter, max_new_tokens=6, stop_tokens=[], max_batch=4)
+    ar = kdj.generate(target, prompts, method="ar", max_new_tokens=6, stop_tokens=[])
+    assert kdj.generate(target, prompts, method="dflash", **kw).tokens == ar.tokens
+    assert not timed and "tuning" not in capsys.readouterr().err  # a fixed method: no pass
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "fresh"))
+    out = kdj.generate(target, prompts, method="auto", menu=["none", "chain", "tree5"], **kw)
+    assert out.tokens == ar.tokens
+    assert "no tuned step costs for this pair at widths" in capsys.readouterr().err
+    assert timed  # one pass for the pool's ladder
+
+
 def test_fixed_methods_do_no_forecast_work_unless_asked(target):
     """A fixed method's drafted step skips the drafter's forecast (a pass over the [B, L, V]
     draft): fewer full-vocabulary reductions than the same step asked to forecast, which

@@ -12,8 +12,9 @@ drafter's shapes, batch bucket. auto reads a cached cost when there is one. With
 an accelerator, auto's first use at a batch bucket runs the pass and says so on stderr
 (a committed cost file, fitted on another machine, drafter or kdj, is an override, never the
 default); on the CPU, where a pass over a real model takes minutes, auto prices with the
-estimate from the model's shapes. `kdj tune` or generate(cost="tune") runs a pass anywhere;
-cost="estimate" never does.
+estimate from the model's shapes. A pool (kdj serve, generate with max_batch) prices a ladder
+of widths: one pass times its smallest, middle and largest and fits one cost for them all.
+`kdj tune` or generate(cost="tune") runs a pass anywhere; cost="estimate" never does.
 """
 
 from __future__ import annotations
@@ -95,10 +96,36 @@ def tune(target, drafter, shapes, batch: int, context: int = CONTEXT, progress=s
     """Time the steps of menu `shapes` (DraftShapes) at batch bucket(batch), fit and save the
     cost. Returns (StepCost, [Timing], path). `progress`: a stream for the progress bar (None:
     silent)."""
-    B = bucket(batch)
-    sizes = sorted({0} | {s.size for s in shapes if s.kind != "none"})
-    drafted = [s for s in shapes if s.kind != "none"]
-    total, done = len(sizes) + len(drafted), 0
+    tick = _bar(progress, _steps_per_bucket(shapes))
+    timings = _timings(target, drafter, shapes, bucket(batch), context, tick)
+    cost = _fit(target, drafter, timings)
+    return cost, timings, _save(cost, target, drafter, batch)
+
+
+def tune_widths(target, drafter, shapes, widths, context: int = CONTEXT, progress=sys.stderr):
+    """One cost for a pool's ladder of `widths`: the steps timed at its smallest, middle and
+    largest buckets only (a pass per bucket would be one per width), one fit over all of them
+    (StepCost's terms scale with the batch, its residuals interpolate between the timed
+    ones), saved under every width's bucket. Returns {width: StepCost}."""
+    buckets = sorted({bucket(w) for w in widths})
+    timed = sorted({buckets[0], buckets[len(buckets) // 2], buckets[-1]})
+    tick = _bar(progress, _steps_per_bucket(shapes) * len(timed))
+    timings = [t for B in timed for t in _timings(target, drafter, shapes, B, context, tick)]
+    cost = _fit(target, drafter, timings)
+    for B in buckets:
+        _save(cost, target, drafter, B)
+    return dict.fromkeys(widths, cost)
+
+
+def _steps_per_bucket(shapes) -> int:
+    return len({0} | {s.size for s in shapes if s.kind != "none"}) + sum(
+        s.kind != "none" for s in shapes
+    )
+
+
+def _bar(progress, total: int):
+    """A tick() that draws `kdj tune: [####    ] done/total label` on `progress` (or nothing)."""
+    done = 0
 
     def tick(label):
         nonlocal done
@@ -110,25 +137,38 @@ def tune(target, drafter, shapes, batch: int, context: int = CONTEXT, progress=s
                 progress.write("\n")
             progress.flush()
 
+    return tick
+
+
+def _timings(target, drafter, shapes, B: int, context: int, tick) -> list[Timing]:
+    """A target pass of 1 + n tokens for every n the menu verifies, then a whole drafted step
+    of every drafted entry, at batch B."""
     timings = []
-    for n in sizes:
+    for n in sorted({0} | {s.size for s in shapes if s.kind != "none"}):
         timings.append(Timing(B, 1 + n, context, _time_verify(target, B, n, context), False, 0,
                               "target"))  # fmt: skip
         tick(f"verify {1 + n}")
-    for s in drafted:
+    for s in (s for s in shapes if s.kind != "none"):
         nodes = s.size if s.kind == "tree" else 0
         seconds = _time_drafted(target, drafter, s, B, context)
         timings.append(Timing(B, 1 + s.size, context, seconds, True, nodes, str(s)))
         tick(str(s))
+    return timings
+
+
+def _fit(target, drafter, timings) -> StepCost:
     n_params = sum(int(x.size) for x in jax.tree.leaves(drafter.state))
     base = StepCost.for_config(target.cfg, jnp.dtype(target.dtype).itemsize)
     base = base.with_drafter(drafter.cfg, n_params, target.cfg, jnp.dtype(target.dtype).itemsize)
     rows = [(t.batch, t.tokens, t.context, t.seconds, float(t.drafted), t.nodes) for t in timings]
     plain = [r[:4] for r, t in zip(rows, timings) if not t.drafted]
-    cost = base.fit(rows).with_residuals(plain)
+    return base.fit(rows).with_residuals(plain)
+
+
+def _save(cost: StepCost, target, drafter, batch: int) -> Path:
     path = cache_dir() / f"{key(target, drafter, batch)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    return cost, timings, cost.save(path)
+    return cost.save(path)
 
 
 def tunes_at_first_use() -> bool:
@@ -152,9 +192,30 @@ def resolve(cost, target, drafter, shapes, batch: int, context: float):
         why = f"tuning asked for at batch {bucket(batch)}"
     else:
         return cost
+    _announce(why)
+    return tune(target, drafter, shapes, batch, max(int(context), 1))[0]
+
+
+def resolve_widths(cost, target, drafter, shapes, widths, context: float) -> dict:
+    """resolve for a pool's ladder: {width: cost argument}. Where widths lack a cached cost,
+    one pass covers them all (tune_widths), on an accelerator or when asked ("tune")."""
+    if isinstance(cost, str) and cost == "tune":
+        _announce(f"tuning asked for at widths {list(widths)}")
+    elif cost is None:
+        found = {w: cached(target, drafter, w) for w in widths}
+        missing = [w for w, c in found.items() if c is None]
+        if not missing or not tunes_at_first_use():
+            return {w: c if c is not None else "estimate" for w, c in found.items()}
+        _announce(f"no tuned step costs for this pair at widths {missing} on this device yet")
+        return found | tune_widths(target, drafter, shapes, missing, max(int(context), 1))
+    else:
+        return dict.fromkeys(widths, cost)
+    return tune_widths(target, drafter, shapes, widths, max(int(context), 1))
+
+
+def _announce(why: str) -> None:
     print(f"kdj: {why}: tuning auto's step costs now (once; cached in {cache_dir()}; "
           'cost="estimate" skips this)', file=sys.stderr)  # fmt: skip
-    return tune(target, drafter, shapes, batch, max(int(context), 1))[0]
 
 
 def table(timings) -> str:
