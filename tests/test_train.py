@@ -1082,6 +1082,8 @@ def test_compare_entries_take_optim_overrides_and_reject_unknown_keys():
         TrainConfig.from_dict({"optim": {"labels": "argmax"}})
     with pytest.raises(ValueError, match="optim.passes must be a positive number"):
         TrainConfig.from_dict({"optim": {"passes": 0}})
+    with pytest.raises(ValueError, match=r"sequences_per_round \(8\) is less than one batch"):
+        TrainConfig.from_dict({"online": {"sequences_per_round": 8}, "optim": {"batch_size": 32}})
 
 
 def test_depth_rates_are_conditional_acceptance_per_draft_position():

@@ -236,6 +236,11 @@ class TrainConfig:
         cfg = TrainConfig(**kw)
         if cfg.data.num_conversations > 16_000:
             raise ValueError("the split rule allows training on the first 16,000 conversations")
+        on = cfg.online
+        if on is not None and on.sequences_per_round < cfg.optim.batch_size:
+            raise ValueError(f"online.sequences_per_round ({on.sequences_per_round}) is less "
+                             f"than one batch (optim.batch_size {cfg.optim.batch_size}): a "
+                             "round would train no step")  # fmt: skip
         return cfg
 
     @staticmethod
