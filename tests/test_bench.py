@@ -303,8 +303,6 @@ def test_profile_step_cpu(tmp_path, tiny):
         assert kernels and all(k["total_us"] > 0 and k["count"] > 0 for k in kernels)
         assert case["kernels_per_step"] >= 10  # 2 layers of attention + MLP, at least
         assert 0 < case["busy_ms_per_step"] <= case["kernel_ms_per_step"] + 1e-9
-        if case["method"] == "step":  # traced wall = the whole traced run: busy fits in it
-            assert case["busy_ms_per_step"] <= case["traced_wall_ms_per_step"]
         assert case["wall_ms_per_step"] > 0 and case["compile_s"] > 0
         cats = case["categories"]
         assert sum(c["count"] for c in cats.values()) == sum(k["count"] for k in kernels)
