@@ -195,7 +195,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--max-prompt-tokens", type=int, default=512)
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--cost", help="StepCost JSON for auto (default: kdj's conservative one)")
+    p.add_argument("--cost", help="StepCost JSON for auto, or tune / estimate (default: this "
+                   "machine's tuned cost, tuned at first use on a GPU)")  # fmt: skip
     p.add_argument("--fit-cost", help="fit a StepCost to this run's fixed methods, save it here "
                    "and run auto with it")  # fmt: skip
     p.add_argument("--fit-from", nargs="+", help="earlier runs' JSON: only fit --fit-cost")

@@ -22,7 +22,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ".traincache/data/eval_prompts.json"
-COST = "configs/costs/smollm2-135m-instruct_h200.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +57,7 @@ SUITES = {
             step(
                 "pair",
                 "adaptive.py --prompts {prompts} --batches 1 8 64 256 --methods ar dflash "
-                f"ddtree16 ddtree64 auto --new 128 --cost {COST} --out {{out}}/pair.json",
+                "ddtree16 ddtree64 auto --new 128 --repeats 3 --out {out}/pair.json",
             ),
         ),
     ),  # fmt: skip

@@ -164,6 +164,31 @@ def drafter(target):
     return kdj.Drafter.from_model(build_drafter(dcfg, jnp.float32, seed=2))
 
 
+def test_a_tuned_step_is_timed_inside_one_compiled_loop(monkeypatch):
+    """Timed one call at a time from the host, a step's time includes its dispatch (a few ms
+    for a real model's parameters, more than the step itself on an H200), so every menu entry
+    looks alike to auto: the pass runs REPS steps per call in one compiled loop instead."""
+    from kdj.decode import tune
+
+    traced, carries = [], []
+
+    def step(args, c):
+        traced.append(c)  # once per trace, not once per step
+        return c + args
+
+    real = tune._repeat
+
+    def spy(*args):
+        carry = real(*args)
+        carries.append(int(carry))  # read now: the next call donates it
+        return carry
+
+    monkeypatch.setattr(tune, "_repeat", spy)
+    assert tune._seconds_per_step(step, jnp.int32(1), jnp.int32(0)) > 0
+    assert len(traced) == 1  # compiled once
+    assert carries == [tune.REPS * i for i in range(1, 2 + tune.CALLS)]
+
+
 def test_tuning_pass_times_the_menu_caches_by_key_and_auto_reads_it(
     target, drafter, tmp_path, monkeypatch, capsys
 ):

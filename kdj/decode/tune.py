@@ -2,9 +2,10 @@
 
 A tuning pass times, at one batch bucket (the next power of two of the batch), a target pass
 over T = 1 + n tokens for every n the menu verifies, and a whole drafted step (draft, tree,
-verify, accept, commit: kdj/decode/loop.py's `drafted_step`) for every drafted entry, each a
-few repetitions after one compile. `StepCost.fit` turns them into coefficients and
-`with_residuals` makes the target passes exact where they were timed.
+verify, accept, commit: kdj/decode/loop.py's `drafted_step`) for every drafted entry, each
+repeated in one on-device loop (as generate runs it) after one compile. `StepCost.fit` turns
+them into coefficients and `with_residuals` makes the target passes exact where they were
+timed.
 
 The result is cached as JSON under the user's cache directory ($XDG_CACHE_HOME or ~/.cache,
 then kdj/costs/), one file per key: kdj version, device kind, dtype, the target's and the
@@ -41,7 +42,8 @@ from kdj.decode.sampling import request_keys
 from kdj.decode.state import Plan, Prefilled, init_state
 from kdj.decode.step import verify
 
-REPEATS = 5  # timed calls per step after its compile (the median is kept)
+REPS = 8  # steps per timed call, run on the device in one loop
+CALLS = 3  # timed calls per step after its compile (the median is kept)
 CONTEXT = 256  # committed tokens per sequence while timing, unless asked otherwise
 
 
@@ -235,21 +237,30 @@ def _fresh(x):
     return jnp.copy(x)
 
 
-def _median_seconds(fn, state):
-    state = jax.tree.map(_fresh, state)
-    state = jax.block_until_ready(fn(state))  # compile + one warm-up
+@functools.partial(jax.jit, static_argnames=("step",), donate_argnames=("carry",))
+def _repeat(step, args, carry):
+    """REPS steps in one compiled loop, as the decode loop runs them on the device."""
+    return jax.lax.fori_loop(0, REPS, lambda _, c: step(args, c), carry)
+
+
+def _seconds_per_step(step, args, carry) -> float:
+    """Median over CALLS calls of one step's device time: a step timed alone from the host
+    would time its dispatch too (a few ms for a real model's parameters, more than the step
+    itself on an H200), which makes every entry look alike to auto."""
+    carry = jax.block_until_ready(_repeat(step, args, jax.tree.map(_fresh, carry)))  # compile
     times = []
-    for _ in range(REPEATS):
+    for _ in range(CALLS):
         t0 = time.perf_counter()
-        state = jax.block_until_ready(fn(state))
+        carry = jax.block_until_ready(_repeat(step, args, carry))
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(times) / REPS
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "nodes"), donate_argnames=("tcache",))
-def _verify_pass(graph, params, tcache, last, nodes: int):
-    """One target pass over root + a chain of `nodes` nodes (T = 1 + nodes), with the argmax
-    a greedy accept reads (so the lm_head is not compiled away)."""
+def _verify_step(graph, nodes: int, params, carry):
+    """One target pass over root + a chain of `nodes` nodes (T = 1 + nodes) at the cache's
+    lengths (not advanced: every pass writes the same slots). The next root reads every
+    position's argmax, as a greedy accept does, so no row of the lm_head is compiled away."""
+    tcache, last = carry
     target = nnx.merge(graph, params)
     if nodes:
         logits = jnp.zeros((last.shape[0], nodes, target.cfg.vocab_size), jnp.float32)
@@ -257,42 +268,39 @@ def _verify_pass(graph, params, tcache, last, nodes: int):
     else:
         tree = trees.root_only(last.shape[0])
     verified = verify(target, tcache, last, tree)
-    return verified.tcache, jnp.argmax(verified.logits, axis=-1)
+    nxt = jnp.max(jnp.argmax(verified.logits, axis=-1), axis=1)
+    return verified.tcache, nxt.astype(last.dtype)
 
 
 def _time_verify(target, batch, nodes, context):
     tcache = init_cache(target.cfg, batch, context + nodes + 2, target.dtype)
     tcache = tcache.with_lengths(jnp.full((batch,), context, jnp.int32))
     last = jnp.zeros((batch,), jnp.int32)
-    fn = functools.partial(_verify_pass, target.graphdef, target.state, last=last, nodes=nodes)
-    return _median_seconds(lambda c: fn(tcache=c)[0], tcache)
+    step = functools.partial(_verify_step, target.graphdef, nodes)
+    return _seconds_per_step(step, target.state, (tcache, last))
 
 
-@functools.partial(
-    jax.jit, static_argnames=("tgraph", "dgraph", "plan"), donate_argnames=("state",)
-)
-def _drafted_pass(tgraph, tstate, dgraph, dstate, state, *, plan):
-    target, drafter = nnx.merge(tgraph, tstate), nnx.merge(dgraph, dstate)
+def _drafted_step(tgraph, dgraph, plan, args, state):
+    target, drafter = nnx.merge(tgraph, args[0]), nnx.merge(dgraph, args[1])
     return loop.drafted_step(target, drafter, state, plan)
 
 
 def _time_drafted(target, drafter, shape, batch, context):
-    """A whole drafted step of one menu entry at this context (steps advance the context by
-    a few tokens; the cache has room for every repetition)."""
+    """A whole drafted step of one menu entry from this context (steps commit tokens, so the
+    caches have room for every step of every call)."""
     k = drafter.cfg.block_size
-    capacity = context + (REPEATS + 2) * k + shape.size + 1
+    steps = (1 + CALLS) * REPS * k  # tokens the timed steps can commit, at most
+    capacity = context + steps + shape.size + 1
     B = batch
     lens = jnp.full((B,), context, jnp.int32)
     tcache = init_cache(target.cfg, B, capacity, target.dtype).with_lengths(lens)
     dcache = init_cache(drafter.cfg.layers, B, capacity, target.dtype).with_lengths(lens)
     pre = Prefilled(jnp.zeros((B,), jnp.int32), tcache, dcache)
-    steps = (REPEATS + 2) * k
     plan = Plan(True, steps, k, (shape,), forecast=True)  # auto's steps forecast
     width = target.cfg.hidden_size * len(drafter.cfg.target_layer_ids)
     one = jnp.float32(1.0)
     state = init_state(pre, jnp.full((B,), steps), jnp.full((B, 1), -1, jnp.int32),
                        request_keys([0] * B, shared=True), one, one, one, [0.0], plan,
                        width)  # fmt: skip
-    fn = functools.partial(_drafted_pass, target.graphdef, target.state, drafter.graphdef,
-                           drafter.state, plan=plan)  # fmt: skip
-    return _median_seconds(lambda s: fn(state=s), state)
+    step = functools.partial(_drafted_step, target.graphdef, drafter.graphdef, plan)
+    return _seconds_per_step(step, (target.state, drafter.state), state)
