@@ -311,6 +311,29 @@ def test_grow_starts_a_deeper_drafter_where_the_shallow_one_was(target, tmp_path
         DrafterTrainer(target, one, optim(steps=5), tokens, mask, init_from=path, grow=True)
 
 
+def test_retap_starts_a_drafter_that_taps_other_target_layers_from_the_weights(target, tmp_path):
+    """drafter.retap: a checkpoint's weights, as they are, in a drafter that taps other target
+    layers (as many; a warm start, since the features change); without retap the taps are a
+    mismatch, and another count of taps is refused by name."""
+    tokens, mask = pattern_data()
+    cfg = tiny_drafter_cfg(target)
+    a = DrafterTrainer(target, cfg, optim(steps=5), tokens, mask)
+    path = a.export(tmp_path / "drafter")
+    taps = [i for i in range(target.cfg.num_layers) if i != cfg.target_layer_ids[-1]][-2:]
+    assert len(taps) == len(cfg.target_layer_ids) and taps != list(cfg.target_layer_ids)
+    new = tiny_drafter_cfg(target, target_layer_ids=taps)
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        DrafterTrainer(target, new, optim(steps=5), tokens, mask, init_from=path)
+    b = DrafterTrainer(target, new, optim(steps=5), tokens, mask, init_from=path, retap=True)
+    assert b.cfg.target_layer_ids == tuple(taps)
+    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(b.params),
+                 bf16(nnx.to_pure_dict(a.params)))  # fmt: skip
+    assert np.isfinite(b.train_step()["loss"])
+    three = tiny_drafter_cfg(target, target_layer_ids=[0, 1, 2])
+    with pytest.raises(ValueError, match=r"drafter.retap: .* taps 2 target layers"):
+        DrafterTrainer(target, three, optim(steps=5), tokens, mask, init_from=path, retap=True)
+
+
 @pytest.mark.parametrize(
     "change, field",
     [
@@ -1052,7 +1075,10 @@ def test_online_rounds_train_on_fresh_data_and_resume(target, tmp_path, monkeypa
     assert asked and all(asked)
     s2 = second["state"]
     assert second["steps"] == 4 and s2["rounds"] == 2 and s2["magpie_rounds"] == 2
-    assert second["window_start"]["stream_pos"] == s1["stream_pos"]  # resumed, not redrawn
+    assert second["call_start"]["stream_pos"] == s1["stream_pos"]  # resumed, not redrawn
+    # the window's record spans both calls: its start and first evaluation are the first's
+    assert second["window_start"] == first["window_start"] != second["call_start"]
+    assert second["first_eval"] == first["first_eval"] is not None
     assert (
         s2["stream_pos"] == s1["stream_pos"] + s2["sharegpt_sequences"] - s1["sharegpt_sequences"]
     )

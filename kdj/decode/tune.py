@@ -126,8 +126,9 @@ def _steps_per_bucket(shapes) -> int:
 
 
 def _bar(progress, total: int):
-    """A tick() that draws `kdj tune: [####    ] done/total label` on `progress` (or nothing)."""
-    done = 0
+    """A tick() that draws `kdj tune: [####    ] done/total label` on `progress` (or nothing),
+    and the pass's seconds when it is done."""
+    done, t0 = 0, time.perf_counter()
 
     def tick(label):
         nonlocal done
@@ -136,7 +137,7 @@ def _bar(progress, total: int):
             bar = "#" * (20 * done // total)
             progress.write(f"\rkdj tune: [{bar:<20}] {done}/{total} {label:<12}")
             if done == total:
-                progress.write("\n")
+                progress.write(f" in {time.perf_counter() - t0:.0f} s\n")
             progress.flush()
 
     return tick

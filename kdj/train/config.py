@@ -53,6 +53,9 @@ class DrafterShape:
     # as identity blocks, new FFN units silent (kdj.train.trainer.grown_params), so training
     # starts from its tau
     grow: bool = False
+    # init_from may tap other target layers (as many): its weights read the new layers'
+    # states where they read the old ones', a warm start for a tap ablation, not an exact one
+    retap: bool = False
 
 
 TURNS = ("first", "all")

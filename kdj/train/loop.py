@@ -179,9 +179,8 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
 
     dcfg = drafter_config_for(target.cfg, cfg.drafter)
     init_from = cfg.drafter.init_from
-    trainer = DrafterTrainer(
-        target, dcfg, cfg.optim, tokens, mask, out, init_from=init_from, grow=cfg.drafter.grow
-    )
+    trainer = DrafterTrainer(target, dcfg, cfg.optim, tokens, mask, out, init_from=init_from,
+                             grow=cfg.drafter.grow, retap=cfg.drafter.retap)  # fmt: skip
     eval_prompts = chat_prompts(
         tok, evals["sharegpt"][: cfg.eval.num_prompts], cfg.data.max_prompt_tokens
     )

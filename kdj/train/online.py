@@ -203,14 +203,17 @@ def run_online(cfg, log=print) -> dict:
                                     magpie_rejected=0)  # fmt: skip
     else:
         state = OnlineState(stream_pos=online.stream_start)
-    window_start = dataclasses.asdict(state)
+    call_start = dataclasses.asdict(state)
+    # a later call of the window keeps the window's start, first evaluation and evaluations
+    earlier = out / "campaign.json"
+    earlier = json.loads(earlier.read_text()) if state_path.exists() and earlier.exists() else {}
 
     empty = np.zeros((1, cfg.optim.max_len), np.int32)
 
     def make_trainer(shape, folder, optim):
         return DrafterTrainer(
             target, drafter_config_for(target.cfg, shape), optim, empty, empty.astype(bool),
-            folder, init_from=shape.init_from, grow=shape.grow,
+            folder, init_from=shape.init_from, grow=shape.grow, retap=shape.retap,
         )  # fmt: skip
 
     # "main" is the campaign's drafter; the others train on the same rounds for comparison
@@ -307,12 +310,13 @@ def run_online(cfg, log=print) -> dict:
     with log_path.open("a") as f:
         f.write(json.dumps({"eval": final}) + "\n")
     campaign = {
-        "window_start": window_start,
+        "window_start": earlier.get("window_start", call_start),
+        "call_start": call_start,
         "state": dataclasses.asdict(state),
         "steps": trainer.step,
-        "first_eval": first_eval,
+        "first_eval": earlier.get("first_eval", first_eval),
         "final_eval": final,
-        "evals": evals_done,
+        "evals": earlier.get("evals", []) + evals_done,
         "online": dataclasses.asdict(online),
     }
     (out / "campaign.json").write_text(json.dumps(campaign, indent=2))

@@ -2,7 +2,7 @@
 master params with a bfloat16 (configurable) forward, Orbax checkpoints with exact resume, and
 export to the published DFlash format. Training can start from an existing drafter's weights
 (drafter.init_from: continue training with a fresh optimiser and schedule; drafter.grow: a
-deeper drafter from a shallower one).
+deeper or wider drafter from a smaller one; drafter.retap: one that taps other target layers).
 
 The target is frozen and only read: its embedding table and lm_head are the drafter's too
 (the drafter owns neither), so nothing of the target enters the optimiser.
@@ -82,14 +82,16 @@ def _shape_fields(cfg: DrafterConfig) -> dict:
     }
 
 
-def load_init_params(source, drafter_cfg: DrafterConfig, grow: bool = False) -> dict:
+def load_init_params(source, drafter_cfg: DrafterConfig, grow: bool = False,
+                     retap: bool = False) -> dict:  # fmt: skip
     """The weights of an existing DFlash drafter (a published-format directory or a built-in
     name, read by kdj.load_drafter) as a float32 pure dict for a trainer of `drafter_cfg`.
 
     Raises ValueError naming every field where the checkpoint and `drafter_cfg` disagree
     (layers, block size, mask token, feature layers, widths, ...); a checkpoint that leaves a
     field unset (num_target_layers -1, vocab_size 0) is not held to it. grow: the checkpoint
-    may have fewer layers than `drafter_cfg` (see grown_params)."""
+    may have fewer layers than `drafter_cfg` (see grown_params). retap: it may tap other
+    target layers, as many as `drafter_cfg` taps."""
     loaded = load_drafter(source, dtype=jnp.float32)
     have, want = _shape_fields(loaded.cfg), _shape_fields(drafter_cfg)
     unset = {"num_target_layers": -1, "vocab_size": 0}
@@ -102,6 +104,14 @@ def load_init_params(source, drafter_cfg: DrafterConfig, grow: bool = False) -> 
                 )
         for k in ("num_layers", "layer_types", "intermediate_size"):
             have[k] = want[k]
+    if retap:  # the feature projection's input width is one state per tapped layer
+        if len(have["target_layer_ids"]) != len(want["target_layer_ids"]):
+            raise ValueError(
+                f"drafter.retap: {str(source)!r} taps {len(have['target_layer_ids'])} target "
+                f"layers {list(have['target_layer_ids'])}, the config "
+                f"{len(want['target_layer_ids'])} {list(want['target_layer_ids'])}"
+            )
+        have["target_layer_ids"] = want["target_layer_ids"]
     bad = [
         f"{k}: {have[k]} in the checkpoint, {want[k]} configured"
         for k in want
@@ -194,8 +204,8 @@ class DrafterTrainer:
 
     init_from: an existing DFlash drafter (directory or built-in name) to start from instead
     of the random initialisation (load_init_params; a shape mismatch is a ValueError); with
-    grow, it may have fewer layers (grown_params). The optimiser and schedule start fresh
-    either way; restore() then overrides both.
+    grow, it may have fewer layers (grown_params), with retap, tap other target layers. The
+    optimiser and schedule start fresh either way; restore() then overrides both.
     """
 
     def __init__(
@@ -208,6 +218,7 @@ class DrafterTrainer:
         out_dir=None,
         init_from=None,
         grow: bool = False,
+        retap: bool = False,
     ):
         self.target, self.optim, self.cfg = target, optim, drafter_cfg
         self.tokens, self.loss_mask = np.asarray(tokens, np.int32), np.asarray(loss_mask, bool)
@@ -216,7 +227,7 @@ class DrafterTrainer:
         if init_from is not None:  # replace the random weights before any sharding
             state = nnx.state(model)
             fresh = nnx.to_pure_dict(state)
-            init = load_init_params(init_from, drafter_cfg, grow=grow)
+            init = load_init_params(init_from, drafter_cfg, grow=grow, retap=retap)
             if grow:
                 init = grown_params(fresh, init)
             if jax.tree.map(jnp.shape, init) != jax.tree.map(jnp.shape, fresh):
