@@ -161,10 +161,12 @@ SUITES = {
         ),
     ),  # fmt: skip
     "deterministic": Suite(
-        "deterministic mode: which ops keep a row's bits at any row count, then every "
-        "method's tokens against deterministic AR at batch 1-256 and the mode's cost",
+        "deterministic mode: which ops keep a row's bits at any row count, what its fixed "
+        "matmul tiles cost per shape, then every method's tokens against deterministic AR "
+        "at batch 1-256 and the mode's cost",
         (
             step("row-invariance", "row_invariance.py --out {out}/row_invariance.json"),
+            step("fixed-tiles", "fixed_tiles.py --model smollm2-135m --out {out}/fixed_tiles.json"),
             step(
                 "deterministic",
                 "deterministic.py --prompts {prompts} --batches 1 8 64 256 "

@@ -225,6 +225,23 @@ def test_dense_gemv_smoke(tmp_path):
     assert {r["variant"] for r in rows if r["matrix"] == "mlp_down"} == {"xla", "gemv", "gemv/2"}
 
 
+def test_fixed_tiles_smoke(tmp_path, tiny):
+    """bench/fixed_tiles.py: a tiny dense model's fused QKV, o, gate/up, down and head, the
+    default path and two tile sets (interpreted here), each tile set's bits the same at every
+    row count, and a decode step's sum per variant and row count."""
+    bench = load_bench("fixed_tiles")
+    out = tmp_path / "ft.json"
+    res = bench.main(["--model", str(tiny["llama"]), "--rows", "1", "5", "--tiles", "16,16,16,4",
+                      "16,32,32,4", "--iters", "1", "--out", str(out)])  # fmt: skip
+    assert json.loads(out.read_text())["rows"] == res["rows"]
+    rows = res["rows"]
+    assert {r["matrix"] for r in rows} == {"qkv", "o", "gate_up", "down", "lm_head"}
+    assert all("error" not in r and r["us"] > 0 for r in rows), rows
+    assert {(r["K"], r["F"]) for r in rows if r["matrix"] == "qkv"} == {(32, 64)}
+    assert all(r["bits_differ"] == 0.0 for r in rows if r["variant"] != "default")
+    assert set(res["step_us"]) == {"default", "tiles 16,16,16,4", "tiles 16,32,32,4"}
+
+
 def test_tokamax_ragged_smoke(tmp_path):
     """bench/tokamax_ragged.py on a tiny MoE: XLA's ragged_dot and the grouped kernel
     (interpreted) agree; tokamax, never a kdj dependency, is a row saying why it did not run

@@ -48,14 +48,14 @@ def pad_inputs(x, w, axis: int):
     return jnp.pad(x, ((0, 0), (0, pad))), jnp.pad(w, widths)
 
 
-def fixed_tile_matmul(x, w):
+def fixed_tile_matmul(x, w, tiles=KernelPolicy.FIXED_TILES):
     """x [n, K] @ w [K, F] -> [n, F] float32 on the grouped Pallas kernel with one "expert"
-    and tiles fixed per weight (KernelPolicy.FIXED_TILES): each row's sums run in an order
-    that does not depend on n, which XLA's GEMM (its algorithm picked per shape) does not
-    promise."""
+    and tiles fixed per weight (KernelPolicy.FIXED_TILES; bench/fixed_tiles.py times others):
+    each row's sums run in an order that does not depend on n, which XLA's GEMM (its
+    algorithm picked per shape) does not promise."""
     x, w = pad_inputs(x, w, axis=0)
     n, K = x.shape
-    t = KernelPolicy.FIXED_TILES
+    t = tiles
     nb = -(-n // t["block_m"])
     rows = np.arange(nb * t["block_m"], dtype=np.int32)
     rows = np.where(rows < n, rows, -1)  # static: one expert's rows in order, then padding
