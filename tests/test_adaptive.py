@@ -327,6 +327,14 @@ def test_the_menu_keeps_only_entries_that_can_pay_at_the_batch_size():
     assert auto.paying_menu(shapes, flat, 1, 100.0, 1.4, chain) == shapes[:2]
     both = {"chain3": m * 1.505, "tree64": m * 1.57}
     assert auto.paying_menu(shapes, flat, 1, 100.0, 1.4, both) == shapes[:1] + shapes[2:]
+    # every entry pays, but the calibration's taus say tree16 and the chain do better
+    # without tree64's build (drafted steps 1.5 + nodes/100 plain steps): tree64 goes first,
+    # so the chain, a loser beside it, is priced with tree16's build and stays
+    tree_dear = dataclasses.replace(flat, per_node_s=1e-2)
+    taus = {"chain3": 2.0, "tree16": 2.6, "tree64": 3.0}
+    assert auto.paying_menu(shapes, tree_dear, 1, 100.0, 2.0, taus) == shapes[:3]
+    taus["tree64"] = 3.4  # worth its build: all stay but the chain (0.93 of a plain rate)
+    assert auto.paying_menu(shapes, tree_dear, 1, 100.0, 2.0, taus) == shapes[:1] + shapes[2:]
     # compute-bound: 4 verified tokens cost 4x one; even the chain needs 4+ tokens per step
     dear = dataclasses.replace(base, fixed_s=0.0, per_byte_s=0.0, per_flop_s=1.0)
     assert auto.paying_menu(shapes, dear, 256, 100.0, 3.0) == shapes[:1]

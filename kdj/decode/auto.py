@@ -128,10 +128,12 @@ def paying_menu(shapes, cost, batch: int, context: float, prior: float, measured
     MENU_MARGIN (MEASURED_MARGIN where both steps were measured at this batch size). A
     drafting step builds the largest tree left on the menu (the smaller ones are its first
     nodes), so every entry pays for that build: a losing largest tree goes first and the rest
-    are priced again. Batch size is static in the compiled loop, so an entry that cannot pay
-    on average at this batch is not compiled in (a per-step switch that never takes it still
-    costs every step). Only a menu with "none" is trimmed, and nothing when the prior is
-    unknown (0). A result of ("none",) alone means plain decoding."""
+    are priced again; it also goes where the entries measured by name (the calibration's)
+    are predicted to do better without its build. Batch size is static in the compiled
+    loop, so an entry that cannot pay on average at this batch is not compiled in (a
+    per-step switch that never takes it still costs every step). Only a menu with "none" is
+    trimmed, and nothing when the prior is unknown (0). A result of ("none",) alone means
+    plain decoding."""
     if prior <= 0 or not any(s.kind == "none" for s in shapes):
         return shapes
     plain = 1.0 / float(cost.seconds(batch, 1, context))
@@ -142,9 +144,23 @@ def paying_menu(shapes, cost, batch: int, context: float, prior: float, measured
         margin = MEASURED_MARGIN if exact else MENU_MARGIN
         return entry_tau(s, prior, measured) / float(step) > plain * (1 + margin)
 
+    def best(kept) -> float:
+        """The best tokens per second of the entries measured by name (bounds do not count:
+        they are optimistic), each step building the largest tree of `kept`."""
+        built = largest_tree(kept)
+        rates = [entry_tau(s, prior, measured)
+                 / float(cost.seconds(batch, 1 + s.size, context)
+                         + cost.draft_seconds(batch, context, built))
+                 for s in kept if s.kind != "none" and str(s) in (measured or {})]  # fmt: skip
+        return max(rates, default=0.0)
+
     kept = list(shapes)
     while True:
         built = largest_tree(kept)
+        smaller = [s for s in kept if not (s.kind == "tree" and s.size == built)]
+        if built and best(smaller) > best(kept):  # the rest do better without its build
+            kept = smaller
+            continue
         losers = [s for s in kept if s.kind != "none" and not pays(s, built)]
         if not losers:
             return tuple(kept)
