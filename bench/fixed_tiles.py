@@ -22,8 +22,9 @@ import sys
 import harness  # bench/ is the script directory
 import jax
 import jax.numpy as jnp
-import numpy as np
+from dense_gemv import seconds_per_call
 from dense_gemv import shapes as dense_shapes
+from row_invariance import differing
 
 from kdj.config import ModelConfig
 from kdj.kernels import KernelPolicy
@@ -51,23 +52,6 @@ def step_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
 def tiles_of(text: str) -> dict:
     bm, bk, bf, warps = (int(v) for v in text.split(","))
     return dict(block_m=bm, block_k=bk, block_f=bf, num_warps=warps)
-
-
-def seconds_per_call(fn, x, w, iters: int) -> float:
-    body = lambda i, x, w: x + 1e-3 * fn(x, w).mean().astype(x.dtype)  # noqa: E731
-    return harness.looped(body, x, iters, w)
-
-
-def differing(fn, x, w, rows) -> float:
-    """The largest share, over M in rows, of rows 0..15's elements whose bits differ from
-    M = 16's."""
-    f = jax.jit(fn)
-    ref = np.asarray(f(x[:16], w))
-    worst = 0.0
-    for M in rows:
-        y = np.asarray(f(x[:M], w))[: min(M, 16)]
-        worst = max(worst, float(np.mean(y != ref[: len(y)])))
-    return worst
 
 
 def parser() -> argparse.ArgumentParser:
@@ -99,7 +83,8 @@ def main(argv=None) -> dict:
                 fn = lambda x, w, t=tiles: layers.fixed_tile_matmul(x, w, t)  # noqa: E731
             base = {"matrix": name, "K": K, "F": F, "variant": variant}
             try:
-                same = None if tiles is None else differing(fn, x, w, args.rows)
+                # the worst M: rows 0..15's share of bits that differ from M = 16's
+                same = None if tiles is None else max(differing(fn, x, w, args.rows).values())
             except Exception as e:  # noqa: BLE001 - a tile set that fails to lower is a result
                 rows.append(base | {"error": repr(e)[:300]})
                 continue

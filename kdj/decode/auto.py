@@ -138,21 +138,22 @@ def paying_menu(shapes, cost, batch: int, context: float, prior: float, measured
         return shapes
     plain = 1.0 / float(cost.seconds(batch, 1, context))
 
-    def pays(s, built):
+    def rate(s, built) -> float:
+        """Tokens per second of entry s, each drafted step building a tree of `built` nodes."""
         step = cost.seconds(batch, 1 + s.size, context) + cost.draft_seconds(batch, context, built)
+        return entry_tau(s, prior, measured) / float(step)
+
+    def pays(s, built):
         exact = cost.measured_at(batch, 1) and cost.measured_at(batch, 1 + s.size)
         margin = MEASURED_MARGIN if exact else MENU_MARGIN
-        return entry_tau(s, prior, measured) / float(step) > plain * (1 + margin)
+        return rate(s, built) > plain * (1 + margin)
 
     def best(kept) -> float:
-        """The best tokens per second of the entries measured by name (bounds do not count:
-        they are optimistic), each step building the largest tree of `kept`."""
+        """The best rate of the entries measured by name (bounds do not count: they are
+        optimistic), each step building the largest tree of `kept`."""
         built = largest_tree(kept)
-        rates = [entry_tau(s, prior, measured)
-                 / float(cost.seconds(batch, 1 + s.size, context)
-                         + cost.draft_seconds(batch, context, built))
-                 for s in kept if s.kind != "none" and str(s) in (measured or {})]  # fmt: skip
-        return max(rates, default=0.0)
+        named = [s for s in kept if s.kind != "none" and str(s) in (measured or {})]
+        return max((rate(s, built) for s in named), default=0.0)
 
     kept = list(shapes)
     while True:

@@ -205,8 +205,8 @@ def run_online(cfg, log=print) -> dict:
         state = OnlineState(stream_pos=online.stream_start)
     call_start = dataclasses.asdict(state)
     # a later call of the window keeps the window's start, first evaluation and evaluations
-    earlier = out / "campaign.json"
-    earlier = json.loads(earlier.read_text()) if state_path.exists() and earlier.exists() else {}
+    record = out / "campaign.json"
+    earlier = json.loads(record.read_text()) if state_path.exists() and record.exists() else {}
 
     empty = np.zeros((1, cfg.optim.max_len), np.int32)
 
@@ -319,7 +319,7 @@ def run_online(cfg, log=print) -> dict:
         "evals": earlier.get("evals", []) + evals_done,
         "online": dataclasses.asdict(online),
     }
-    (out / "campaign.json").write_text(json.dumps(campaign, indent=2))
+    record.write_text(json.dumps(campaign, indent=2))
     (out / "summary.json").write_text(json.dumps(campaign, indent=2))
     log(f"done: {trainer.step} steps, {state.sequences:,} sequences this window; "
         f"held-out tau {_taus(final)}; drafter at {path}")  # fmt: skip
