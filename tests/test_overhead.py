@@ -178,15 +178,15 @@ def test_a_tuned_step_is_timed_inside_one_compiled_loop(monkeypatch):
         traced.append(c)  # once per trace, not once per step
         return c + args
 
-    real = tune._repeat
+    job = tune._Job(None, step, jnp.int32(1), lambda: jnp.int32(0))
+    (run,) = tune._compile_all([job])
 
-    def spy(*args):
-        carry = real(*args)
+    def spy(args, carry):
+        carry = run(args, carry)
         carries.append(int(carry))  # read now: the next call donates it
         return carry
 
-    monkeypatch.setattr(tune, "_repeat", spy)
-    assert tune._seconds_per_step(step, jnp.int32(1), jnp.int32(0)) > 0
+    assert tune._seconds_per_step(spy, jnp.int32(1), jnp.int32(0)) > 0
     assert len(traced) == 1  # compiled once
     assert carries == [tune.REPS * i for i in range(1, 2 + tune.CALLS)]
 
@@ -258,13 +258,13 @@ def test_a_pools_ladder_is_tuned_in_one_pass_over_three_widths(
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(tune, "tunes_at_first_use", lambda: True)
     shapes = auto.parse_menu("auto", ["none", "chain", "tree5"], 4, None)
-    timed, real = [], tune._time_verify
+    timed, real = [], tune._verify_job
 
     def spy(t, B, n, c):
         timed.append(B)
         return real(t, B, n, c)
 
-    monkeypatch.setattr(tune, "_time_verify", spy)
+    monkeypatch.setattr(tune, "_verify_job", spy)
     bar = io.StringIO()
     costs = tune.tune_widths(target, drafter, shapes, [1, 2, 4, 8, 16], context=16, progress=bar)
     assert sorted(set(timed)) == [1, 4, 16] and "15/15" in bar.getvalue()

@@ -132,6 +132,8 @@ def drafted_step(target, drafter, state: DecodeState, plan: Plan) -> DecodeState
         gains = auto.corrected(raw, auto.pooled(state.auto))
         choice = auto.choose(plan.menu, gains, active, plan.cost, context)
         branches = [functools.partial(check, s, target, taps, plan) for s in plan.menu]
+        # XLA copies the cache through a conditional; one loop per entry would not, but each
+        # loop's exit test is a host round trip, which costs more than the copies at batch 1
         tcache, acc = jax.lax.switch(choice, branches, *args)
     else:
         choice = jnp.int32(0)

@@ -3,7 +3,8 @@
 A tuning pass times, at one batch bucket (the next power of two of the batch), a target pass
 over T = 1 + n tokens for every n the menu verifies, and a whole drafted step (draft, tree,
 verify, accept, commit: kdj/decode/loop.py's `drafted_step`) for every drafted entry, each
-repeated in one on-device loop (as generate runs it) after one compile. `StepCost.fit` turns
+repeated in one on-device loop (as generate runs it); all of them compile at once, in
+threads, before any is timed (compiling is most of a pass). `StepCost.fit` turns
 them into coefficients and `with_residuals` makes the target passes exact where they were
 timed.
 
@@ -20,6 +21,7 @@ of widths: one pass times its smallest, middle and largest and fits one cost for
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import importlib.metadata
@@ -143,20 +145,36 @@ def _bar(progress, total: int):
     return tick
 
 
+class _Job(NamedTuple):
+    """A step to time: `step(args, carry)` from the carry `make()` builds."""
+
+    timing: Timing  # its seconds filled in once timed
+    step: object
+    args: object
+    make: object
+
+
 def _timings(target, drafter, shapes, B: int, context: int, tick) -> list[Timing]:
     """A target pass of 1 + n tokens for every n the menu verifies, then a whole drafted step
-    of every drafted entry, at batch B."""
+    of every drafted entry, at batch B: all compiled at once (the pass's time is mostly
+    compiling, and XLA compiles in parallel threads), then timed one after another."""
+    jobs = [_verify_job(target, B, n, context)
+            for n in sorted({0} | {s.size for s in shapes if s.kind != "none"})]  # fmt: skip
+    jobs += [_drafted_job(target, drafter, s, B, context) for s in shapes if s.kind != "none"]
     timings = []
-    for n in sorted({0} | {s.size for s in shapes if s.kind != "none"}):
-        timings.append(Timing(B, 1 + n, context, _time_verify(target, B, n, context), False, 0,
-                              "target"))  # fmt: skip
-        tick(f"verify {1 + n}")
-    for s in (s for s in shapes if s.kind != "none"):
-        nodes = s.size if s.kind == "tree" else 0
-        seconds = _time_drafted(target, drafter, s, B, context)
-        timings.append(Timing(B, 1 + s.size, context, seconds, True, nodes, str(s)))
-        tick(str(s))
+    for job, run in zip(jobs, _compile_all(jobs)):
+        seconds = _seconds_per_step(run, job.args, job.make())
+        timings.append(job.timing._replace(seconds=seconds))
+        tick(f"verify {job.timing.tokens}" if job.timing.entry == "target" else job.timing.entry)
     return timings
+
+
+def _compile_all(jobs) -> list:
+    """Each job's REPS-step loop compiled, traced here and compiled in threads (tracing holds
+    Python's lock; XLA's compiler does not)."""
+    lowered = [_repeat.lower(j.step, j.args, jax.eval_shape(j.make)) for j in jobs]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(lowered)) as pool:
+        return list(pool.map(lambda low: low.compile(), lowered))
 
 
 def _fit(target, drafter, timings) -> StepCost:
@@ -244,15 +262,16 @@ def _repeat(step, args, carry):
     return jax.lax.fori_loop(0, REPS, lambda _, c: step(args, c), carry)
 
 
-def _seconds_per_step(step, args, carry) -> float:
-    """Median over CALLS calls of one step's device time: a step timed alone from the host
-    would time its dispatch too (a few ms for a real model's parameters, more than the step
-    itself on an H200), which makes every entry look alike to auto."""
-    carry = jax.block_until_ready(_repeat(step, args, jax.tree.map(_fresh, carry)))  # compile
+def _seconds_per_step(run, args, carry) -> float:
+    """Median over CALLS calls of one step's device time, `run(args, carry)` being its REPS-step
+    loop compiled (_compile_all): a step timed alone from the host would time its dispatch
+    too (a few ms for a real model's parameters, more than the step itself on an H200), which
+    makes every entry look alike to auto."""
+    carry = jax.block_until_ready(run(args, jax.tree.map(_fresh, carry)))  # the first call
     times = []
     for _ in range(CALLS):
         t0 = time.perf_counter()
-        carry = jax.block_until_ready(_repeat(step, args, carry))
+        carry = jax.block_until_ready(run(args, carry))
         times.append(time.perf_counter() - t0)
     return statistics.median(times) / REPS
 
@@ -273,12 +292,15 @@ def _verify_step(graph, nodes: int, params, carry):
     return verified.tcache, nxt.astype(last.dtype)
 
 
-def _time_verify(target, batch, nodes, context):
-    tcache = init_cache(target.cfg, batch, context + nodes + 2, target.dtype)
-    tcache = tcache.with_lengths(jnp.full((batch,), context, jnp.int32))
-    last = jnp.zeros((batch,), jnp.int32)
+def _verify_job(target, batch, nodes, context) -> _Job:
+    def make():
+        tcache = init_cache(target.cfg, batch, context + nodes + 2, target.dtype)
+        tcache = tcache.with_lengths(jnp.full((batch,), context, jnp.int32))
+        return tcache, jnp.zeros((batch,), jnp.int32)
+
     step = functools.partial(_verify_step, target.graphdef, nodes)
-    return _seconds_per_step(step, target.state, (tcache, last))
+    return _Job(Timing(batch, 1 + nodes, context, 0.0, False, 0, "target"), step, target.state,
+                make)  # fmt: skip
 
 
 def _drafted_step(tgraph, dgraph, plan, args, state):
@@ -286,22 +308,27 @@ def _drafted_step(tgraph, dgraph, plan, args, state):
     return loop.drafted_step(target, drafter, state, plan)
 
 
-def _time_drafted(target, drafter, shape, batch, context):
+def _drafted_job(target, drafter, shape, batch, context) -> _Job:
     """A whole drafted step of one menu entry from this context (steps commit tokens, so the
     caches have room for every step of every call)."""
     k = drafter.cfg.block_size
     steps = (1 + CALLS) * REPS * k  # tokens the timed steps can commit, at most
     capacity = context + steps + shape.size + 1
     B = batch
-    lens = jnp.full((B,), context, jnp.int32)
-    tcache = init_cache(target.cfg, B, capacity, target.dtype).with_lengths(lens)
-    dcache = init_cache(drafter.cfg.layers, B, capacity, target.dtype).with_lengths(lens)
-    pre = Prefilled(jnp.zeros((B,), jnp.int32), tcache, dcache)
     plan = Plan(True, steps, k, (shape,), forecast=True)  # auto's steps forecast
     width = target.cfg.hidden_size * len(drafter.cfg.target_layer_ids)
-    one = jnp.float32(1.0)
-    state = init_state(pre, jnp.full((B,), steps), jnp.full((B, 1), -1, jnp.int32),
-                       request_keys([0] * B, shared=True), one, one, one, [0.0], plan,
-                       width)  # fmt: skip
+
+    def make():
+        lens = jnp.full((B,), context, jnp.int32)
+        tcache = init_cache(target.cfg, B, capacity, target.dtype).with_lengths(lens)
+        dcache = init_cache(drafter.cfg.layers, B, capacity, target.dtype).with_lengths(lens)
+        pre = Prefilled(jnp.zeros((B,), jnp.int32), tcache, dcache)
+        one = jnp.float32(1.0)
+        return init_state(pre, jnp.full((B,), steps), jnp.full((B, 1), -1, jnp.int32),
+                          request_keys([0] * B, shared=True), one, one, one, [0.0], plan,
+                          width)  # fmt: skip
+
     step = functools.partial(_drafted_step, target.graphdef, drafter.graphdef, plan)
-    return _seconds_per_step(step, (target.state, drafter.state), state)
+    nodes = shape.size if shape.kind == "tree" else 0
+    timing = Timing(B, 1 + shape.size, context, 0.0, True, nodes, str(shape))
+    return _Job(timing, step, (target.state, drafter.state), make)
