@@ -6,9 +6,10 @@
 A case is MODEL:BATCH:WHAT[:KERNELS]. MODEL: a configs/models name or YAML path (random
 weights) or "smollm2-135m-instruct" (real). WHAT: a generate method ("ar", "dflash",
 "ddtree<budget>", "auto"; speculative ones with a random drafter of the published shape;
-"ddtree<budget>-allpairs", "-chunkedtop" or both: DDTree with a part of the tree build
-swapped for the bench's, for an A/B in one call: the beam extended by top_k over all
-budget x K pairs, the build before kdj's pruning; the vocabulary's top-K in two rounds),
+"ddtree<budget>-allpairs", "-laxtop" or both: DDTree with a part of the tree build
+swapped for an earlier one, for an A/B in one call: the beam extended by top_k over all
+budget x K pairs, the build before kdj's pruning; the vocabulary's top-K in one round of
+jax.lax.top_k per (sequence, depth), before kdj's two rounds),
 --steps decode steps after a prompt of --context random tokens, kernels counted in the
 decode loop's executable only (device events whose HLO module matches --module); "step",
 one target forward step queued --steps times (what bench/roofline.py times); "moe-T", the
@@ -163,27 +164,12 @@ def all_pairs_beams(top_lp, top_tok, budget: int):
     return scores, tokens, parents
 
 
-def chunked_top(draft, k: int, chunk: int = 1024):
-    """kdj.decode.tree.Draft.top by two rounds of top_k: the top k of each `chunk` tokens,
-    then of those, laid chunk by chunk so that ties still go to the lower token (the same
-    result; the "-chunkedtop" cases time it)."""
-    x = draft.logits
-    V = x.shape[-1]
-    k, n = min(k, V), -(-V // chunk)
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n * chunk - V)], constant_values=-jnp.inf)
-    first, at = jax.lax.top_k(x.reshape(*x.shape[:-1], n, chunk), min(k, chunk))
-    at = at + chunk * jnp.arange(n)[:, None]  # token ids
-    values, pick = jax.lax.top_k(first.reshape(*first.shape[:-2], -1), k)
-    tokens = jnp.take_along_axis(at.reshape(*at.shape[:-2], -1), pick, axis=-1)
-    return values - draft.lse[..., None], tokens
-
-
 def tree_patch(variant: str):
     """The part of kdj's tree build a "ddtree<budget>-<variant>" case swaps for the bench's."""
     if variant == "allpairs":  # the beam build before pruning
         return mock.patch.object(trees, "_beams", all_pairs_beams)
-    if variant == "chunkedtop":  # the vocabulary's top-K in two rounds
-        return mock.patch.object(trees.Draft, "top", chunked_top)
+    if variant == "laxtop":  # the vocabulary's top-K in one round
+        return mock.patch.object(trees, "top_k", lambda x, k, chunk=0: jax.lax.top_k(x, k))
     raise ValueError(f"unknown tree build variant {variant!r}")
 
 
@@ -251,7 +237,7 @@ def moe_case(name: str, B: int, T: int, args):
     return run, {"steps": args.steps}, None
 
 
-GENERATE = re.compile(r"ar|dflash|ddtree\d+(-allpairs|-chunkedtop)*|auto")
+GENERATE = re.compile(r"ar|dflash|ddtree\d+(-allpairs|-laxtop)*|auto")
 
 
 def profile_case(spec: str, args, targets: dict, trace_root: Path) -> dict:

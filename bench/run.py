@@ -132,6 +132,17 @@ SUITES = {
                 "moonlight-16b-a3b:256:moe-16 --context 512 --steps 64 "
                 "--out {out}/profile.json",
             ),
+            step(
+                "top-k",
+                "top_k.py --out {out}/top_k.json",
+            ),
+            step(
+                "ddtree-top-k",
+                "profile_step.py --cases smollm2-135m-instruct:1:ddtree16-laxtop "
+                "smollm2-135m-instruct:1:ddtree16 smollm2-135m-instruct:1:ddtree64-laxtop "
+                "smollm2-135m-instruct:1:ddtree64 --context 512 --steps 32 "
+                "--out {out}/profile_top_k.json",
+            ),
         ),
     ),  # fmt: skip
     "attention": Suite(

@@ -128,6 +128,24 @@ def test_committable_is_the_identity_when_everything_fits():
     np.testing.assert_array_equal(np.asarray(cut["tokens"]), np.asarray(chain["tokens"]))
 
 
+def test_two_round_top_k_equals_lax_top_k_ties_included():
+    """The draft's top-K per depth in two rounds (per chunk, then over the chunks' winners)
+    gives lax.top_k's values and indices exactly: with many ties (small integers), -inf
+    entries, and a vocabulary that is not a whole number of chunks."""
+    rng = np.random.default_rng(0)
+    top_k = jax.jit(trees.top_k, static_argnums=1)
+    for shape in [(3, 5, 1000), (2, 4 * trees.TOP_K_CHUNK), (1, 2, 3 * trees.TOP_K_CHUNK + 5)]:
+        ties = rng.integers(0, 5, shape).astype(np.float32)
+        holes = rng.normal(size=shape).astype(np.float32)
+        holes[..., ::3] = -np.inf
+        for x in (ties, holes):
+            for k in (1, 16, 64):
+                want = jax.lax.top_k(jnp.asarray(x), k)
+                got = top_k(jnp.asarray(x), k)
+                np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+                np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
 def test_reduced_draft_paths_equal_the_full_log_softmax_ones():
     """A tree built from the top-K of the logits equals one built from the full log-softmax;
     the chain from the argmax equals the argmax / max of the log-softmax; the forecast from

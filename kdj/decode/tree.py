@@ -42,6 +42,27 @@ class DraftShape:
         return self.kind if self.kind == "none" else f"{self.kind}{self.size}"
 
 
+TOP_K_CHUNK = 1024  # entries per chunk of top_k's first round
+
+
+def top_k(x, k: int, chunk: int = TOP_K_CHUNK):
+    """jax.lax.top_k over the last axis in two rounds: the top k of each `chunk` entries, then
+    the top k of those. The same values and indices, ties included (each round
+    takes the lower index first, and the candidates keep index order), but where a draft has
+    few rows (B x depth) one sort per row leaves most of a GPU idle, and one per chunk does
+    not."""
+    V, c = x.shape[-1], chunk
+    if k > c or V <= 2 * c:
+        return jax.lax.top_k(x, k)
+    n = -(-V // c)
+    pad = [(0, 0)] * (x.ndim - 1) + [(0, n * c - V)]  # padding sorts after every real -inf
+    xs = jnp.pad(x, pad, constant_values=-jnp.inf).reshape(*x.shape[:-1], n, c)
+    v1, i1 = jax.lax.top_k(xs, k)  # [..., n, k]
+    i1 = i1 + (jnp.arange(n, dtype=i1.dtype) * c)[:, None]
+    v2, j = jax.lax.top_k(v1.reshape(*x.shape[:-1], n * k), k)
+    return v2, jnp.take_along_axis(i1.reshape(*x.shape[:-1], n * k), j, axis=-1)
+
+
 class Draft(NamedTuple):
     """The drafter's per-depth distributions as a step reads them: logits [B, L, V] float32
     and their log-normaliser lse [B, L] (log-probs = logits - lse). No [B, L, V] log-softmax
@@ -58,7 +79,7 @@ class Draft(NamedTuple):
 
     def top(self, k: int):
         """(log-probs [B, L, K] descending, tokens [B, L, K]) of the K most probable tokens."""
-        values, tokens = jax.lax.top_k(self.logits, min(k, self.logits.shape[-1]))
+        values, tokens = top_k(self.logits, min(k, self.logits.shape[-1]))
         return values - self.lse[..., None], tokens
 
     def head(self, n: int) -> Draft:
@@ -110,7 +131,7 @@ def _beams(top_lp, top_tok, budget: int):
 def build_tree(lp, budget: int):
     """The top-`budget` prefixes of one sequence's draft distribution, lp [L, V] float32
     log-probabilities (see build_tree_from_top)."""
-    top_lp, top_tok = jax.lax.top_k(lp.astype(jnp.float32), min(budget, lp.shape[1]))
+    top_lp, top_tok = top_k(lp.astype(jnp.float32), min(budget, lp.shape[1]))
     return build_tree_from_top(top_lp, top_tok, budget)
 
 
