@@ -358,3 +358,29 @@ def test_fixed_methods_do_no_forecast_work_unless_asked(target):
                         calibration=1.0)  # fmt: skip
     assert "expected_acceptance" not in plain.stats and told.stats["calibration_error"] >= 0
     assert plain.tokens == told.tokens
+
+
+def test_a_ddtree_step_runs_no_loop_of_its_own(target):
+    """The decode loop is the only loop of a DDTree run: a loop inside the step (the beam's
+    extension, one depth at a time) would be launched from the host once a depth."""
+    from kdj.decode import loop
+    from kdj.decode.state import Plan, Prefilled
+    from kdj.models.drafter import DrafterConfig, build_drafter
+
+    layers = target.cfg.replace(model_type="qwen3", num_layers=1, qk_norm=True)
+    dcfg = DrafterConfig(layers=layers, block_size=8, mask_token_id=V - 1, target_layer_ids=(0, 1),
+                         num_target_layers=2)  # fmt: skip
+    drafter = kdj.Drafter.from_model(build_drafter(dcfg, jnp.float32, seed=2))
+    B, S = 2, 64
+    tcache = init_cache(target.cfg, B, S, jnp.float32).with_lengths(jnp.full((B,), 5, jnp.int32))
+    dcache = init_cache(dcfg.layers, B, S, jnp.float32).with_lengths(tcache.lengths)
+    one = jnp.float32(1.0)
+    for budget in (16, 64):
+        plan = Plan(True, 16, 8, (trees.DraftShape("tree", budget),))
+        compiled = loop.decode.lower(
+            target.graphdef, target.state, drafter.graphdef, drafter.state,
+            Prefilled(jnp.zeros((B,), jnp.int32), tcache, dcache), jnp.full((B,), 16, jnp.int32),
+            jnp.full((B, 1), -1, jnp.int32), request_keys([0] * B, shared=True), one, one, one,
+            jnp.zeros((1,)), plan=plan,
+        ).compile()  # fmt: skip
+        assert len(re.findall(r" while\(", compiled.as_text())) == 1, budget

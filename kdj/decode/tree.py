@@ -121,7 +121,8 @@ def _beams(top_lp, top_tok, budget: int):
         score, pick = jax.lax.top_k(prev[beam] + lp_d[rank], budget)
         return (score,), (score, tok_d[rank[pick]], beam[pick])
 
-    _, (s, t, p) = jax.lax.scan(extend, (s0,), (top_lp[1:], top_tok[1:]))
+    # unrolled: a loop of the step would launch its small body once a depth from the host
+    _, (s, t, p) = jax.lax.scan(extend, (s0,), (top_lp[1:], top_tok[1:]), unroll=True)
     scores = jnp.concatenate([s0[None], s])
     tokens = jnp.concatenate([t0[None], t]).astype(jnp.int32)
     parents = jnp.concatenate([jnp.full((1, budget), -1), p]).astype(jnp.int32)
