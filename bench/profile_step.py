@@ -169,7 +169,7 @@ def tree_patch(variant: str):
     if variant == "allpairs":  # the beam build before pruning
         return mock.patch.object(trees, "_beams", all_pairs_beams)
     if variant == "laxtop":  # the vocabulary's top-K in one round
-        return mock.patch.object(trees, "top_k", lambda x, k, chunk=0: jax.lax.top_k(x, k))
+        return mock.patch.object(trees, "top_k", lambda x, k, chunk=None: jax.lax.top_k(x, k))
     raise ValueError(f"unknown tree build variant {variant!r}")
 
 

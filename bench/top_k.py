@@ -4,9 +4,10 @@
 A DDTree step takes the K = budget most probable tokens at each of the block's depths from
 the drafter's logits. With few rows (batch 1: 15 rows of 49,152) one sort per row leaves
 most of the GPU idle; the two-round top_k sorts chunks of --chunks entries first (kdj's
-default: tree.TOP_K_CHUNK). Each
-is jitted inside an on-device loop of --iters calls (the input perturbed by the loop index
-so nothing is hoisted), after a warm-up run; both give the same values and indices (checked).
+default: tree.TOP_K_CHUNK). Each is jitted inside an on-device loop of --iters calls (the
+input perturbed by the loop index so nothing is hoisted), after a warm-up run. The inputs
+are rounded to eighths, so many entries tie, and both must give the same values and
+indices ("identical").
 
     python bench/top_k.py --out $OUT/top_k.json
 """
@@ -51,6 +52,7 @@ def main(argv=None) -> list:
     rows = []
     for B in args.batches:
         x = jax.random.normal(jax.random.key(B), (B, args.depths, args.vocab), jnp.float32)
+        x = jnp.round(x * 8) / 8  # ties: top_k must order them as lax.top_k does
         for k in args.ks:
             want = jax.lax.top_k(x, k)
             xla = seconds(lambda x, k: jax.lax.top_k(x, k), x, k, args.iters)

@@ -46,21 +46,23 @@ TOP_K_CHUNK = 1024  # entries per chunk of top_k's first round
 
 
 def top_k(x, k: int, chunk: int = TOP_K_CHUNK):
-    """jax.lax.top_k over the last axis in two rounds: the top k of each `chunk` entries, then
-    the top k of those. The same values and indices, ties included (each round
-    takes the lower index first, and the candidates keep index order), but where a draft has
-    few rows (B x depth) one sort per row leaves most of a GPU idle, and one per chunk does
-    not."""
+    """lax.top_k(x, k) over the last axis in two rounds: the top k of each whole `chunk`
+    entries, then the top k of those and of the leftover entries. The same values and indices
+    where top_k takes the lower index first among equals (XLA's), since the candidates keep
+    index order. Faster with few rows (B x depth): one sort per row leaves most of a GPU idle.
+    One round where it would not shrink the second (k > chunk, or fewer than two chunks)."""
     V, c = x.shape[-1], chunk
-    if k > c or V <= 2 * c:
+    n = V // c
+    if k > c or n < 2:
         return jax.lax.top_k(x, k)
-    n = -(-V // c)
-    pad = [(0, 0)] * (x.ndim - 1) + [(0, n * c - V)]  # padding sorts after every real -inf
-    xs = jnp.pad(x, pad, constant_values=-jnp.inf).reshape(*x.shape[:-1], n, c)
-    v1, i1 = jax.lax.top_k(xs, k)  # [..., n, k]
+    lead = x.shape[:-1]
+    v1, i1 = jax.lax.top_k(x[..., : n * c].reshape(*lead, n, c), k)  # [..., n, k]
     i1 = i1 + (jnp.arange(n, dtype=i1.dtype) * c)[:, None]
-    v2, j = jax.lax.top_k(v1.reshape(*x.shape[:-1], n * k), k)
-    return v2, jnp.take_along_axis(i1.reshape(*x.shape[:-1], n * k), j, axis=-1)
+    rest = jnp.broadcast_to(jnp.arange(n * c, V, dtype=i1.dtype), (*lead, V - n * c))
+    values = jnp.concatenate([v1.reshape(*lead, n * k), x[..., n * c :]], axis=-1)
+    index = jnp.concatenate([i1.reshape(*lead, n * k), rest], axis=-1)
+    v2, j = jax.lax.top_k(values, k)
+    return v2, jnp.take_along_axis(index, j, axis=-1)
 
 
 class Draft(NamedTuple):

@@ -3,7 +3,7 @@
 A tuning pass times, at one batch bucket (the next power of two of the batch), a target pass
 over T = 1 + n tokens for every n the menu verifies, and a whole drafted step (draft, tree,
 verify, accept, commit: kdj/decode/loop.py's `drafted_step`) for every drafted entry, each
-repeated in one on-device loop (as generate runs it); all of them compile at once, in
+repeated in one on-device loop (as generate runs it); all of them compile together, in
 threads, before any is timed (compiling is most of a pass). `StepCost.fit` turns
 them into coefficients and `with_residuals` makes the target passes exact where they were
 timed.
@@ -29,6 +29,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -59,6 +60,10 @@ class Timing(NamedTuple):
     drafted: bool  # a whole drafted step (draft pass + tree + verify + accept + commit)
     nodes: int  # tree nodes its draft pass built (0: a chain, or no draft)
     entry: str  # what was timed: "target", or a menu entry ("chain15", "tree64")
+
+    @property
+    def name(self) -> str:
+        return f"verify {self.tokens}" if self.entry == "target" else self.entry
 
 
 def bucket(batch: int) -> int:
@@ -122,9 +127,11 @@ def tune_widths(target, drafter, shapes, widths, context: int = CONTEXT, progres
 
 
 def _steps_per_bucket(shapes) -> int:
-    return len({0} | {s.size for s in shapes if s.kind != "none"}) + sum(
+    """Progress ticks a bucket takes: each timed program's compile, then its timing."""
+    programs = len({0} | {s.size for s in shapes if s.kind != "none"}) + sum(
         s.kind != "none" for s in shapes
     )
+    return 2 * programs
 
 
 def _bar(progress, total: int):
@@ -148,33 +155,38 @@ def _bar(progress, total: int):
 class _Job(NamedTuple):
     """A step to time: `step(args, carry)` from the carry `make()` builds."""
 
-    timing: Timing  # its seconds filled in once timed
-    step: object
+    timing: Timing  # seconds 0 until timed
+    step: Callable
     args: object
-    make: object
+    make: Callable
 
 
 def _timings(target, drafter, shapes, B: int, context: int, tick) -> list[Timing]:
     """A target pass of 1 + n tokens for every n the menu verifies, then a whole drafted step
-    of every drafted entry, at batch B: all compiled at once (the pass's time is mostly
-    compiling, and XLA compiles in parallel threads), then timed one after another."""
+    of every drafted entry, at batch B: all compiled together in threads (compiling is most
+    of a pass), then timed one after another."""
     jobs = [_verify_job(target, B, n, context)
             for n in sorted({0} | {s.size for s in shapes if s.kind != "none"})]  # fmt: skip
     jobs += [_drafted_job(target, drafter, s, B, context) for s in shapes if s.kind != "none"]
     timings = []
-    for job, run in zip(jobs, _compile_all(jobs)):
+    for job, run in zip(jobs, _compile_all(jobs, target.cfg.kernels.compiler_options(), tick)):
         seconds = _seconds_per_step(run, job.args, job.make())
         timings.append(job.timing._replace(seconds=seconds))
-        tick(f"verify {job.timing.tokens}" if job.timing.entry == "target" else job.timing.entry)
+        tick(timings[-1].name)
     return timings
 
 
-def _compile_all(jobs) -> list:
-    """Each job's REPS-step loop compiled, traced here and compiled in threads (tracing holds
-    Python's lock; XLA's compiler does not)."""
+def _compile_all(jobs, options=None, tick=lambda label: None) -> list:
+    """Each job's REPS-step loop compiled with XLA `options` (generate's, so the timed programs
+    are the ones it runs): traced here, compiled in threads (tracing holds Python's lock,
+    XLA's compiler does not); tick("compiled") here as each is done."""
     lowered = [_repeat.lower(j.step, j.args, jax.eval_shape(j.make)) for j in jobs]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(lowered)) as pool:
-        return list(pool.map(lambda low: low.compile(), lowered))
+    workers = min(len(lowered), os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        runs = [pool.submit(low.compile, options or None) for low in lowered]
+        for _ in concurrent.futures.as_completed(runs):
+            tick("compiled")
+    return [r.result() for r in runs]
 
 
 def _fit(target, drafter, timings) -> StepCost:
@@ -243,8 +255,7 @@ def table(timings) -> str:
     """The timings as a text table (what `kdj tune` prints)."""
     lines = [f"{'step':<12} {'batch':>5} {'tokens':>6} {'context':>7} {'ms':>9}"]
     for t in timings:
-        name = f"verify {t.tokens}" if t.entry == "target" else t.entry
-        lines.append(f"{name:<12} {t.batch:>5} {t.tokens:>6} {t.context:>7} "
+        lines.append(f"{t.name:<12} {t.batch:>5} {t.tokens:>6} {t.context:>7} "
                      f"{t.seconds * 1e3:>9.3f}")  # fmt: skip
     return "\n".join(lines)
 
