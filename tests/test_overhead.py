@@ -212,6 +212,28 @@ def test_a_tuned_step_is_timed_inside_one_compiled_loop(monkeypatch):
     assert carries == [tune.REPS * i for i in range(1, 2 + tune.CALLS)]
 
 
+def test_the_tuning_pass_compiles_with_generates_xla_options(target, drafter, monkeypatch):
+    """The timed programs are compiled as generate compiles its own (deterministic mode turns
+    XLA's excess precision off, which changes the programs), all together, a tick each."""
+    from kdj.decode import auto, tune
+
+    seen = []
+
+    def spy(jobs, options=None, tick=lambda label: None):
+        seen.append(options)
+        return real(jobs, options, tick)
+
+    real = tune._compile_all
+    monkeypatch.setattr(tune, "_compile_all", spy)
+    shapes = auto.parse_menu("auto", ["none", "tree5"], 4, None)
+    det = target.with_kernels(target.cfg.kernels.as_deterministic())
+    ticks = []
+    for t in (target, det):
+        tune._timings(t, drafter, shapes, 2, 16, ticks.append)
+    assert seen == [target.cfg.kernels.compiler_options(), {"xla_allow_excess_precision": False}]
+    assert ticks == (["compiled"] * 3 + ["verify 1", "verify 6", "tree5"]) * 2
+
+
 def test_tuning_pass_times_the_menu_caches_by_key_and_auto_reads_it(
     target, drafter, tmp_path, monkeypatch, capsys
 ):
