@@ -126,12 +126,14 @@ def tune_widths(target, drafter, shapes, widths, context: int = CONTEXT, progres
     return dict.fromkeys(widths, cost)
 
 
+def _verify_sizes(shapes) -> list[int]:
+    """The draft nodes n of every target pass a menu verifies (T = 1 + n), "none"'s 0 too."""
+    return sorted({0} | {s.size for s in shapes if s.kind != "none"})
+
+
 def _steps_per_bucket(shapes) -> int:
     """Progress ticks a bucket takes: each timed program's compile, then its timing."""
-    programs = len({0} | {s.size for s in shapes if s.kind != "none"}) + sum(
-        s.kind != "none" for s in shapes
-    )
-    return 2 * programs
+    return 2 * (len(_verify_sizes(shapes)) + sum(s.kind != "none" for s in shapes))
 
 
 def _bar(progress, total: int):
@@ -165,8 +167,7 @@ def _timings(target, drafter, shapes, B: int, context: int, tick) -> list[Timing
     """A target pass of 1 + n tokens for every n the menu verifies, then a whole drafted step
     of every drafted entry, at batch B: all compiled together in threads (compiling is most
     of a pass), then timed one after another."""
-    jobs = [_verify_job(target, B, n, context)
-            for n in sorted({0} | {s.size for s in shapes if s.kind != "none"})]  # fmt: skip
+    jobs = [_verify_job(target, B, n, context) for n in _verify_sizes(shapes)]
     jobs += [_drafted_job(target, drafter, s, B, context) for s in shapes if s.kind != "none"]
     timings = []
     for job, run in zip(jobs, _compile_all(jobs, target.cfg.kernels.compiler_options(), tick)):
