@@ -105,6 +105,11 @@ KERNEL_CASES: dict[str, dict] = {
     "xla-heads": {"head_gemv": "xla"},  # MLA's absorbed per-head projections on XLA
     "xla-latent": {"latent_attention": "xla"},  # MLA attention on XLA's form
     "xla-experts": {"expert_gemv": "xla", "expert_grouped": "xla"},  # gather / ragged_dot
+    # deterministic mode, then with one of its parts back on XLA: where its cost lies
+    "deterministic": {"deterministic": True},
+    "det-xla-attention": {"deterministic": True, "attention": "xla"},  # XLA attention at T=1
+    "det-xla-dense": {"deterministic": True, "dense_gemv": "xla"},  # XLA GEMMs, no fixed tiles
+    "det-xla-both": {"deterministic": True, "attention": "xla", "dense_gemv": "xla"},
 }
 
 
