@@ -9,7 +9,7 @@ weights) or "smollm2-135m-instruct" (real). WHAT: a generate method ("ar", "dfla
 "ddtree<budget>-allpairs", "-laxtop" or both: DDTree with a part of the tree build
 swapped for an earlier one, for an A/B in one call: the beam extended by top_k over all
 budget x K pairs, the build before kdj's pruning; the vocabulary's top-K in one round of
-jax.lax.top_k per (sequence, depth), before kdj's two rounds),
+jax.lax.top_k per (sequence, depth), where kdj may take two rounds),
 --steps decode steps after a prompt of --context random tokens, kernels counted in the
 decode loop's executable only (device events whose HLO module matches --module); "step",
 one target forward step queued --steps times (what bench/roofline.py times); "moe-T", the
@@ -169,7 +169,7 @@ def tree_patch(variant: str):
     if variant == "allpairs":  # the beam build before pruning
         return mock.patch.object(trees, "_beams", all_pairs_beams)
     if variant == "laxtop":  # the vocabulary's top-K in one round
-        return mock.patch.object(trees, "top_k", lambda x, k, chunk=None: jax.lax.top_k(x, k))
+        return mock.patch.object(trees, "top_k", lambda x, k: jax.lax.top_k(x, k))
     raise ValueError(f"unknown tree build variant {variant!r}")
 
 

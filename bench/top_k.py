@@ -1,13 +1,13 @@
-"""The draft's top-K per depth: jax.lax.top_k against kdj's two-round top_k
-(kdj/decode/tree.py), at a draft's shape [B, depths, V] float32, on the GPU.
+"""The draft's top-K per depth: jax.lax.top_k against the two-round top_k
+(kdj/decode/tree.py top_k_two_rounds), at a draft's shape [B, depths, V] float32, on the GPU.
 
 A DDTree step takes the K = budget most probable tokens at each of the block's depths from
 the drafter's logits. With few rows (batch 1: 15 rows of 49,152) one sort per row leaves
 most of the GPU idle; the two-round top_k sorts chunks of --chunks entries first (kdj's
-default: tree.TOP_K_CHUNK). Each is jitted inside an on-device loop of --iters calls (the
-input perturbed by the loop index so nothing is hoisted), after a warm-up run. The inputs
-are rounded to eighths, so many entries tie, and both must give the same values and
-indices ("identical").
+default: tree.TOP_K_CHUNK); tree.top_k picks one round or two by what this measures. Each
+is jitted inside an on-device loop of --iters calls (the input perturbed by the loop index
+so nothing is hoisted), after a warm-up run. The inputs are rounded to eighths, so many
+entries tie, and both must give the same values and indices ("identical").
 
     python bench/top_k.py --out $OUT/top_k.json
 """
@@ -57,7 +57,7 @@ def main(argv=None) -> list:
             want = jax.lax.top_k(x, k)
             xla = seconds(lambda x, k: jax.lax.top_k(x, k), x, k, args.iters)
             for chunk in args.chunks:
-                fn = functools.partial(trees.top_k, chunk=chunk)
+                fn = functools.partial(trees.top_k_two_rounds, chunk=chunk)
                 got = jax.jit(fn, static_argnums=1)(x, k)
                 same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(want, got))
                 two = seconds(fn, x, k, args.iters)

@@ -134,7 +134,7 @@ def test_two_round_top_k_equals_lax_top_k_ties_included():
     integers), -inf entries, rows of -inf or NaN only, a vocabulary that is not a whole number
     of chunks, and k at, below and above the chunk (one round)."""
     rng = np.random.default_rng(0)
-    top_k = jax.jit(trees.top_k, static_argnums=(1, 2))
+    top_k = jax.jit(trees.top_k_two_rounds, static_argnums=(1, 2))
     for V, chunk in [(61, 7), (64, 8), (3 * trees.TOP_K_CHUNK + 5, trees.TOP_K_CHUNK)]:
         ties = rng.integers(0, 5, (3, 4, V)).astype(np.float32)
         holes = rng.normal(size=(3, 4, V)).astype(np.float32)
@@ -146,6 +146,18 @@ def test_two_round_top_k_equals_lax_top_k_ties_included():
                 got = top_k(jnp.asarray(x), k, chunk)
                 np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]), f"{k}")
                 np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]), f"{k}")
+
+
+def test_top_k_equals_lax_top_k_in_both_regimes():
+    """top_k (one round or two by k and the row count) gives lax.top_k's result on either
+    side of its rule: few rows or many, k up to the one-pass kernel's and above it."""
+    x = jnp.round(jax.random.normal(jax.random.key(1), (20, 3 * trees.TOP_K_CHUNK + 9)) * 4)
+    top_k = jax.jit(trees.top_k, static_argnums=1)
+    for rows in (1, trees.FEW_ROWS, trees.FEW_ROWS + 1, 20):
+        for k in (4, trees.ONE_PASS_MAX_K, trees.ONE_PASS_MAX_K + 1, 64):
+            want, got = jax.lax.top_k(x[:rows], k), top_k(x[:rows], k)
+            for a, b in zip(got, want):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), f"{rows} rows, k {k}")
 
 
 def test_reduced_draft_paths_equal_the_full_log_softmax_ones():
