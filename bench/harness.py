@@ -110,6 +110,7 @@ KERNEL_CASES: dict[str, dict] = {
     "det-xla-attention": {"deterministic": True, "attention": "xla"},  # XLA attention at T=1
     "det-xla-dense": {"deterministic": True, "dense_gemv": "xla"},  # XLA GEMMs, no fixed tiles
     "det-xla-both": {"deterministic": True, "attention": "xla", "dense_gemv": "xla"},
+    "det-unsplit": {"deterministic": True, "fixed_split_inputs": 1 << 30},  # K never sliced
 }
 
 

@@ -65,6 +65,9 @@ class KernelPolicy:
     # shape), each tree node attending over its own path laid out as a plain decode of it
     # lays it out; MoE always per-assignment with a split-K fixed per weight.
     deterministic: bool = False
+    # Its matmuls cut K into slices of at least this many inputs (fixed_splits), so that one
+    # row's matmul fills more of the GPU; each slice is a partial sum written out in float32.
+    fixed_split_inputs: int = 192
 
     def __post_init__(self):
         for name in FAMILIES:
@@ -74,7 +77,7 @@ class KernelPolicy:
         if not 0 <= self.gemv_min_weights <= self.gemv_max_weights:
             raise ValueError("KernelPolicy needs 0 <= gemv_min_weights <= gemv_max_weights")
         if min(self.gemv_programs, self.attention_programs, self.split_blocks,
-               self.decode_split_blocks) < 1:  # fmt: skip
+               self.decode_split_blocks, self.fixed_split_inputs) < 1:  # fmt: skip
             raise ValueError("KernelPolicy program counts and split blocks must be >= 1")
 
     @staticmethod
@@ -153,6 +156,20 @@ class KernelPolicy:
     # Deterministic mode's matmul tiles (layers.fixed_tile_matmul): one configuration for
     # every row count, so a row's sums run in the same order in a decode and a verify.
     FIXED_TILES = MappingProxyType(dict(block_m=64, block_k=64, block_f=128, num_warps=4))
+
+    def fixed_splits(self, K: int, F: int) -> int:
+        """The K slices of a deterministic matmul by a [K, F] weight, from its shape alone (the
+        slices' float32 sums added in a fixed order): the fewest that give gemv_programs
+        programs at one row, each slice whole FIXED_TILES K tiles and >= fixed_split_inputs
+        inputs. Unsplit, one row by a 576-wide weight is 5 programs walking all of K."""
+        tk, tf = self.FIXED_TILES["block_k"], self.FIXED_TILES["block_f"]
+        best = 1
+        for s in range(2, K // tk + 1):
+            if best * -(-F // tf) >= self.gemv_programs or K // s < self.fixed_split_inputs:
+                break
+            if K % (s * tk) == 0:
+                best = s
+        return best
 
     def compiler_options(self) -> dict:
         """XLA options for the programs this policy runs. Deterministic: no excess precision,

@@ -130,10 +130,13 @@ def test_fixed_tiles_and_splits_keep_rows_equal(pair):
     family, _, _ = pair
     if family != "llama":
         pytest.skip("the dense projections and GQA attention are the llama family's")
-    cfg = ModelConfig.from_hf(dict(CONFIGS["llama"], hidden_size=64, head_dim=16))
+    shape = dict(hidden_size=128, intermediate_size=128, head_dim=32)
+    cfg = ModelConfig.from_hf(dict(CONFIGS["llama"], **shape))
     target = kdj.Target.from_model(build_model(cfg, jnp.bfloat16, seed=1))
-    policy = KernelPolicy(dense_gemv="pallas", attention="pallas", deterministic=True)
+    policy = KernelPolicy(dense_gemv="pallas", attention="pallas", deterministic=True,
+                          fixed_split_inputs=64)  # every matmul in 2 K slices  # fmt: skip
     assert policy.fixed_tiles() and not policy.replace(deterministic=False).fixed_tiles()
+    assert policy.fixed_splits(128, 128) == 2 and policy.fixed_splits(128, cfg.vocab_size) == 2
     assert policy.attention_kernel_for(1) and policy.attention_config(1)["fixed_split"]
     assert rows_match_steps(target.with_kernels(policy))
     assert tree_rows_match_paths(target.with_kernels(policy))
@@ -142,6 +145,12 @@ def test_fixed_tiles_and_splits_keep_rows_equal(pair):
     assert jnp.allclose(layers.fixed_tile_matmul(x[:, :40], w[:40]), x[:, :40] @ w[:40],
                         atol=1e-4, rtol=1e-4)  # K padded to 48  # fmt: skip
     assert jnp.allclose(layers.fixed_tile_matmul(x, w), x @ w, atol=1e-4, rtol=1e-4)
+    x, w = x.astype(jnp.bfloat16), jnp.concatenate([w, w, -w]).astype(jnp.bfloat16)[:, :130]
+    x = jnp.concatenate([x, x[:, ::-1], x], axis=1)  # K = 192: 3 slices of one K tile
+    split = layers.fixed_tile_matmul(x, w, splits=3)
+    assert jnp.allclose(split, x.astype(jnp.float32) @ w.astype(jnp.float32), atol=1e-2)
+    for n in (1, 5, 64, 65):  # a row's bits whatever the rows beside it
+        np.testing.assert_array_equal(layers.fixed_tile_matmul(x[:n], w, splits=3), split[:n])
 
 
 def xla_order_dependent(jaxpr) -> list[str]:

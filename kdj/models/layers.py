@@ -48,20 +48,30 @@ def pad_inputs(x, w, axis: int):
     return jnp.pad(x, ((0, 0), (0, pad))), jnp.pad(w, widths)
 
 
-def fixed_tile_matmul(x, w, tiles=KernelPolicy.FIXED_TILES):
-    """x [n, K] @ w [K, F] -> [n, F] float32 on the grouped Pallas kernel with one "expert"
-    and tiles fixed per weight (KernelPolicy.FIXED_TILES; bench/fixed_tiles.py times others):
-    each row's sums run in an order that does not depend on n, which XLA's GEMM (its
-    algorithm picked per shape) does not promise."""
+def fixed_tile_matmul(x, w, tiles=KernelPolicy.FIXED_TILES, splits: int = 1):
+    """x [n, K] @ w [K, F] -> [n, F] float32 on the grouped Pallas kernel with tiles fixed per
+    weight (KernelPolicy.FIXED_TILES; bench/fixed_tiles.py times others): each row's sums run
+    in an order that does not depend on n, which XLA's GEMM (its algorithm picked per shape)
+    does not promise. splits (KernelPolicy.fixed_splits, fixed per weight too): K cut into
+    slices, slice s of every row a row of "expert" s (w's rows s K/splits ...), the slices'
+    sums then added in slice order."""
     x, w = pad_inputs(x, w, axis=0)
     n, K = x.shape
-    t = tiles
-    nb = -(-n // t["block_m"])
+    if K % splits:
+        raise ValueError(f"a fixed-tile matmul cannot cut K = {K} into {splits} slices")
+    t, Ks = tiles, K // splits
+    nb = -(-n // t["block_m"])  # row blocks of each slice
+    xs = x.reshape(n, splits, Ks).swapaxes(0, 1).reshape(splits * n, Ks)
     rows = np.arange(nb * t["block_m"], dtype=np.int32)
-    rows = np.where(rows < n, rows, -1)  # static: one expert's rows in order, then padding
-    be = np.zeros(nb, np.int32)
-    y = expert_grouped.grouped_matmul(x, rows, be, w.reshape(1, K, -1), **t)
-    return y[:n]
+    rows = np.where(rows < n, rows, -1)  # static: one slice's rows in order, then padding
+    rows = np.concatenate([np.where(rows >= 0, rows + s * n, -1) for s in range(splits)])
+    be = np.repeat(np.arange(splits, dtype=np.int32), nb)
+    y = expert_grouped.grouped_matmul(xs, rows, be, w.reshape(splits, Ks, -1), **t)
+    y = y.reshape(splits, nb * t["block_m"], -1)
+    acc = y[0]
+    for part in y[1:]:  # one order for every n: slice 0 + slice 1 + ...
+        acc = acc + part
+    return acc[:n]
 
 
 def matmul(x, w, kernels: KernelPolicy):
@@ -71,7 +81,8 @@ def matmul(x, w, kernels: KernelPolicy):
     Deterministic mode on the GPU runs every matmul with tiles fixed per weight."""
     K = w.shape[0]
     if kernels.fixed_tiles():
-        y = fixed_tile_matmul(x.reshape(-1, K), w.reshape(K, -1))
+        w2 = w.reshape(K, -1)
+        y = fixed_tile_matmul(x.reshape(-1, K), w2, splits=kernels.fixed_splits(*w2.shape))
         return y.astype(jnp.result_type(x, w)).reshape(*x.shape[:-1], *w.shape[1:])
     if not kernels.dense_gemv_for(math.prod(x.shape[:-1]), w.size):
         return jnp.tensordot(x, w, axes=1)  # w keeps its shape: a flattening could reshard it

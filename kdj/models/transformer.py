@@ -113,7 +113,9 @@ class Transformer(nnx.Module):
         """Final projection [..., D] -> [..., V] in float32 (tied embeddings or lm_head)."""
         w = self.head_weight()
         if self.cfg.kernels.fixed_tiles():  # deterministic mode on the GPU
-            return fixed_tile_matmul(h.reshape(-1, w.shape[0]), w).reshape(*h.shape[:-1], -1)
+            rows = h.reshape(-1, w.shape[0])
+            y = fixed_tile_matmul(rows, w, splits=self.cfg.kernels.fixed_splits(*w.shape))
+            return y.reshape(*h.shape[:-1], -1)
         return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
 
 
