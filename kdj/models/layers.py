@@ -61,10 +61,10 @@ def fixed_tile_matmul(x, w, tiles=KernelPolicy.FIXED_TILES, splits: int = 1):
         raise ValueError(f"a fixed-tile matmul cannot cut K = {K} into {splits} slices")
     t, Ks = tiles, K // splits
     nb = -(-n // t["block_m"])  # row blocks of each slice
-    xs = x.reshape(n, splits, Ks).swapaxes(0, 1).reshape(splits * n, Ks)
+    xs = x.reshape(n * splits, Ks)  # row i * splits + s: slice s of row i (no copy)
     rows = np.arange(nb * t["block_m"], dtype=np.int32)
     rows = np.where(rows < n, rows, -1)  # static: one slice's rows in order, then padding
-    rows = np.concatenate([np.where(rows >= 0, rows + s * n, -1) for s in range(splits)])
+    rows = np.concatenate([np.where(rows >= 0, rows * splits + s, -1) for s in range(splits)])
     be = np.repeat(np.arange(splits, dtype=np.int32), nb)
     y = expert_grouped.grouped_matmul(xs, rows, be, w.reshape(splits, Ks, -1), **t)
     y = y.reshape(splits, nb * t["block_m"], -1)
