@@ -20,6 +20,8 @@ with one sync at the end, the host's batch making included (as the training loop
                   whole (the step before kdj/train/head.py; reference_loss below)
     parts         the frozen target pass alone and the lm_head + cross-entropy with its input
                   gradient alone, chunked and full (the rest of the step is the drafter)
+    --profile N   N product steps under jax.profiler.trace, device time summed per kernel and
+                  category (bench/profile_step.py's summary): where the step's time goes
 The cases start from the same weights and batch: their step-0 loss, acc and tau are reported
 side by side (equal up to bf16 rounding).
 
@@ -184,6 +186,27 @@ def reference_case(trainer, warmup, steps) -> dict:
     return timed_steps(step, warmup, steps)
 
 
+def profiled_steps(trainer, steps: int, top: int) -> dict:
+    """The product step traced `steps` times after one warm step: profile_step's summary
+    (categories, heaviest kernels) of every device kernel in the trace."""
+    import tempfile
+    from pathlib import Path
+
+    import profile_step
+
+    jax.block_until_ready(trainer.train_step())
+    trace_dir = Path(tempfile.mkdtemp(prefix="kdj_train_profile_"))
+    with jax.profiler.trace(str(trace_dir)):
+        t = time.perf_counter()
+        for _ in range(steps):
+            out = trainer.train_step()
+        jax.block_until_ready(out)
+        traced_s = time.perf_counter() - t
+    summary = profile_step.summarise(profile_step.read_events(trace_dir), traced_s, steps, None)
+    summary["kernels"] = summary["kernels"][:top]
+    return {"case": f"profile of {steps} steps", "steps": steps, **summary}
+
+
 def parts_case(trainer, repeats: int) -> dict:
     """ms of the frozen target pass, and of the draft-slot lm_head + cross-entropy with its
     input gradient chunked and full, at the step's shapes."""
@@ -279,6 +302,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--matmul-size", type=int, default=8192, help="n^3 matmul rate; 0: skip")
     p.add_argument("--smoke", action="store_true",
                    help="a CPU-sized shape: 2 x 48 tokens, 4 blocks each, 2 steps")  # fmt: skip
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also trace N product steps, time per kernel and category")  # fmt: skip
+    p.add_argument("--top", type=int, default=30, help="kernels kept in the profile")
     p.add_argument("--out")
     return p
 
@@ -343,6 +369,16 @@ def main(argv=None) -> dict:
     parts = parts_case(trainer_for(cases[0][1]), max(args.steps // 2, 1))
     print(parts)
     result = harness.write_result(args.out, {"meta": meta, "rows": rows, "parts": parts}, argv)
+    if args.profile:
+        prof = profiled_steps(trainer_for(cases[0][1]), args.profile, args.top)
+        print(f"{prof['case']}: {prof['traced_wall_ms_per_step']:.1f} ms a step traced, "
+              f"device busy {prof['busy_ms_per_step']:.1f}")  # fmt: skip
+        for name, c in prof["categories"].items():
+            print(f"  {name:<20} {c['us_per_step'] / 1e3:8.2f} ms a step")
+        for k in prof["kernels"]:
+            print(f"  {k['us_per_step'] / 1e3:8.2f} ms {k['count'] / prof['steps']:6.1f}x  "
+                  f"{k['category']:<20} {k['name'][:70]}")  # fmt: skip
+        result = harness.write_result(args.out, dict(result, profile=prof), argv)
     print(markdown(rows))
     return result
 

@@ -510,3 +510,18 @@ def _jsonl(tmp_path, rows):
     path = tmp_path / "campaign.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def test_train_step_smoke_with_profile(tmp_path, tiny):
+    """bench/train_step.py on a tiny target: the product step's row, its parts, and with
+    --profile a per-category and per-kernel summary of traced steps (CPU thunks here)."""
+    bench = load_bench("train_step")
+    out = tmp_path / "ts.json"
+    res = bench.main(["--smoke", "--target", str(tiny["llama"]), "--no-reference",
+                      "--matmul-size", "0", "--profile", "2", "--top", "5",
+                      "--out", str(out)])  # fmt: skip
+    assert json.loads(out.read_text())["profile"]["steps"] == 2
+    assert [r["case"] for r in res["rows"]] == ["chunked/8192"] and "error" not in res["rows"][0]
+    prof = res["profile"]
+    assert prof["kernels_per_step"] > 0 and 0 < len(prof["kernels"]) <= 5
+    assert sum(c["total_us"] for c in prof["categories"].values()) > 0
