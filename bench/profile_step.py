@@ -10,8 +10,10 @@ weights) or "smollm2-135m-instruct" (real). WHAT: a generate method ("ar", "dfla
 swapped for an earlier one, for an A/B in one call: the beam extended by top_k over all
 budget x K pairs, the build before kdj's pruning; the vocabulary's top-K in one round of
 jax.lax.top_k per (sequence, depth), where kdj may take two rounds),
---steps decode steps after a prompt of --context random tokens, kernels counted in the
-decode loop's executable only (device events whose HLO module matches --module); "step",
+--steps decode steps after a prompt of --context random tokens (--prompts: held-out chat
+prompts of at most --context tokens; --drafter: a real drafter, e.g. to see auto's own
+step against the fixed method it picks), kernels counted in the decode loop's executable
+only (device events whose HLO module matches --module); "step",
 one target forward step queued --steps times (what bench/roofline.py times); "moe-T", the
 first MoE layer of a 2-layer slice alone on BATCH x T random tokens. KERNELS: a kernel case of
 bench/harness.py (KERNEL_CASES: the target's kernel policy with some fields changed).
@@ -173,16 +175,41 @@ def tree_patch(variant: str):
     raise ValueError(f"unknown tree build variant {variant!r}")
 
 
+def case_drafter(tgt, name: str, args):
+    """The speculative cases' drafter: --drafter's (loaded once), else a random one of the
+    published shape."""
+    if not args.drafter:
+        return harness.random_drafter(harness.drafter_config(tgt.cfg, name), args.dtype)
+    if args.drafter not in LOADED:
+        LOADED[args.drafter] = kdj.load_drafter(args.drafter, dtype=args.dtype)
+    return LOADED[args.drafter]
+
+
+LOADED: dict = {}  # drafters by --drafter name, loaded once per process
+
+
+def case_prompts(tgt, B: int, args) -> list:
+    """B prompts: --prompts' held-out ShareGPT turns (chat template, at most --context
+    tokens), cycled; else B of --context random tokens."""
+    if not args.prompts:
+        return harness.random_prompts(tgt.cfg.vocab_size, B, args.context)
+    from kdj.train.loop import chat_prompts
+
+    held = json.loads(Path(args.prompts).read_text())["sharegpt"]
+    prompts = chat_prompts(tgt.tokenizer, held, args.context)
+    return [prompts[i % len(prompts)] for i in range(B)]
+
+
 def generate_case(tgt, name: str, B: int, method: str, args):
-    """(run, steps of a run, module) of kdj.generate: `args.steps` decode steps after a
-    prompt of `args.context` random tokens; run() returns the decode seconds."""
+    """(run, steps of a run, module) of kdj.generate: `args.steps` decode steps after the
+    case's prompts (case_prompts); run() returns the decode seconds."""
     method, *variants = method.split("-")
     patches, kw = [tree_patch(v) for v in variants], {"method": method}
     if method != "ar":
-        kw["drafter"] = harness.random_drafter(harness.drafter_config(tgt.cfg, name), args.dtype)
+        kw["drafter"] = case_drafter(tgt, name, args)
         if method.startswith("ddtree"):
             kw |= {"method": "ddtree", "tree_budget": int(method[6:])}
-    prompts = harness.random_prompts(tgt.cfg.vocab_size, B, args.context)
+    prompts = case_prompts(tgt, B, args)
     box = {}
 
     def run():
@@ -298,6 +325,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=32, help="decode steps traced per case")
     p.add_argument("--module", default="decode", help="regex of the decode loop's HLO module")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--drafter", help="a drafter kdj.load_drafter takes (default: random)")
+    p.add_argument("--prompts", help="eval_prompts.json: held-out chat prompts (real target)")
     p.add_argument("--top", type=int, default=25, help="kernels printed per case")
     p.add_argument("--out", help="JSON path")
     p.add_argument("--trace-dir", help="where the raw traces go (default: a temporary dir)")

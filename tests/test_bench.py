@@ -525,3 +525,27 @@ def test_train_step_smoke_with_profile(tmp_path, tiny):
     prof = res["profile"]
     assert prof["kernels_per_step"] > 0 and 0 < len(prof["kernels"]) <= 5
     assert sum(c["total_us"] for c in prof["categories"].values()) > 0
+
+
+def test_profile_step_real_prompts_and_drafter(tmp_path):
+    """profile_step's --prompts: held-out chat prompts of at most --context tokens, cycled to
+    the batch; --drafter: loaded once and shared by the cases."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from kdj.tokenizer import load_tokenizer
+
+    bench = load_bench("profile_step")
+    held = ["What is the capital of Australia?", "Write a haiku about rain. " * 40]
+    path = tmp_path / "eval_prompts.json"
+    path.write_text(json.dumps({"sharegpt": held}))
+    tgt = SimpleNamespace(tokenizer=load_tokenizer("smollm2-135m-instruct"))
+    args = SimpleNamespace(prompts=str(path), context=64, drafter="x", dtype="float32")
+    prompts = bench.case_prompts(tgt, 3, args)
+    assert len(prompts) == 3 and prompts[0] == prompts[2] != prompts[1]
+    assert all(0 < len(p) <= 64 for p in prompts)
+    loads = []
+    with mock.patch.object(bench.kdj, "load_drafter", lambda *a, **k: loads.append(a) or object()):
+        bench.LOADED.clear()
+        assert bench.case_drafter(tgt, "m", args) is bench.case_drafter(tgt, "m", args)
+    assert loads == [("x",)]
