@@ -176,16 +176,11 @@ def tree_patch(variant: str):
 
 
 def case_drafter(tgt, name: str, args):
-    """The speculative cases' drafter: --drafter's (loaded once), else a random one of the
-    published shape."""
-    if not args.drafter:
-        return harness.random_drafter(harness.drafter_config(tgt.cfg, name), args.dtype)
-    if args.drafter not in LOADED:
-        LOADED[args.drafter] = kdj.load_drafter(args.drafter, dtype=args.dtype)
-    return LOADED[args.drafter]
-
-
-LOADED: dict = {}  # drafters by --drafter name, loaded once per process
+    """The speculative cases' drafter: --drafter's (loaded once, in main), else a random one
+    of the published shape."""
+    if args.real_drafter is not None:
+        return args.real_drafter
+    return harness.random_drafter(harness.drafter_config(tgt.cfg, name), args.dtype)
 
 
 def case_prompts(tgt, B: int, args) -> list:
@@ -337,6 +332,7 @@ def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     p = parser()
     args = p.parse_args(argv)
+    args.real_drafter = kdj.load_drafter(args.drafter, dtype=args.dtype) if args.drafter else None
     result = {"cases": []}
     trace_root = Path(args.trace_dir or tempfile.mkdtemp(prefix="kdj_profile_"))
     targets: dict = {}

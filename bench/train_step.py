@@ -40,13 +40,16 @@ import argparse
 import dataclasses
 import functools
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import harness  # bench/ is the script directory
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import profile_step
 from flax import nnx
 
 from kdj.models.transformer import full_sequence
@@ -189,11 +192,6 @@ def reference_case(trainer, warmup, steps) -> dict:
 def profiled_steps(trainer, steps: int, top: int) -> dict:
     """The product step traced `steps` times after one warm step: profile_step's summary
     (categories, heaviest kernels) of every device kernel in the trace."""
-    import tempfile
-    from pathlib import Path
-
-    import profile_step
-
     jax.block_until_ready(trainer.train_step())
     trace_dir = Path(tempfile.mkdtemp(prefix="kdj_train_profile_"))
     with jax.profiler.trace(str(trace_dir)):

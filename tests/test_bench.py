@@ -546,6 +546,9 @@ def test_profile_step_real_prompts_and_drafter(tmp_path):
     assert all(0 < len(p) <= 64 for p in prompts)
     loads = []
     with mock.patch.object(bench.kdj, "load_drafter", lambda *a, **k: loads.append(a) or object()):
-        bench.LOADED.clear()
-        assert bench.case_drafter(tgt, "m", args) is bench.case_drafter(tgt, "m", args)
+        cases = ["no-such-model:1:dflash", "no-such-model:1:auto"]  # each fails, recorded
+        res = bench.main(["--cases", *cases, "--drafter", "x", "--trace-dir", str(tmp_path)])
+    assert [bool(r.get("error")) for r in res["cases"]] == [True, True]
     assert loads == [("x",)]
+    args.real_drafter = drafter = object()
+    assert bench.case_drafter(tgt, "m", args) is drafter
