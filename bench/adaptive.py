@@ -201,6 +201,12 @@ def parser() -> argparse.ArgumentParser:
                    "and run auto with it")  # fmt: skip
     p.add_argument("--fit-from", nargs="+", help="earlier runs' JSON: only fit --fit-cost")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument(
+        "--kernels",
+        default="default",
+        choices=sorted(harness.KERNEL_CASES),
+        help="kernel case of bench/harness.py the target (and drafter) run",
+    )
     p.add_argument("--out")
     return p
 
@@ -216,7 +222,7 @@ def main(argv=None):
 
     from kdj.train.loop import chat_prompts
 
-    target = kdj.load_target(args.target, dtype=args.dtype)
+    target = harness.with_kernels(kdj.load_target(args.target, dtype=args.dtype), args.kernels)
     drafter = kdj.load_drafter(args.drafter, target=target)
     if args.fit_from:
         rows = []

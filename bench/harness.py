@@ -111,6 +111,7 @@ KERNEL_CASES: dict[str, dict] = {
     "det-xla-dense": {"deterministic": True, "dense_gemv": "xla"},  # XLA GEMMs, no fixed tiles
     "det-xla-both": {"deterministic": True, "attention": "xla", "dense_gemv": "xla"},
     "det-unsplit": {"deterministic": True, "fixed_split_inputs": 1 << 30},  # K never sliced
+    "graph-conditionals": {"graph_conditionals": True},  # lax.cond / switch in CUDA graphs
 }
 
 
@@ -252,6 +253,7 @@ def stamp(argv: list[str] | None = None) -> dict:
         "git_sha": git_sha(), "jax": jax.__version__, "python": platform.python_version(),
         "device": dev.device_kind, "platform": dev.platform, "devices": jax.device_count(),
         "argv": [Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)],
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),  # they change programs, not argv
     }  # fmt: skip
 
 

@@ -139,8 +139,9 @@ SUITES = {
             step(
                 "ddtree-top-k",
                 "profile_step.py --cases smollm2-135m-instruct:1:ddtree16-laxtop "
-                "smollm2-135m-instruct:1:ddtree16 smollm2-135m-instruct:1:ddtree64-laxtop "
-                "smollm2-135m-instruct:1:ddtree64 --context 512 --steps 32 "
+                "smollm2-135m-instruct:1:ddtree16 smollm2-135m-instruct:1:ddtree16-pruned "
+                "smollm2-135m-instruct:1:ddtree64-laxtop smollm2-135m-instruct:1:ddtree64 "
+                "smollm2-135m-instruct:1:ddtree64-pruned --context 512 --steps 32 "
                 "--out {out}/profile_top_k.json",
             ),
         ),

@@ -1,13 +1,16 @@
-"""The draft's top-K per depth: jax.lax.top_k against the two-round top_k
-(kdj/decode/tree.py top_k_two_rounds), at a draft's shape [B, depths, V] float32, on the GPU.
+"""The draft's top-K per depth: jax.lax.top_k against kdj's chunked forms
+(kdj/decode/tree.py), at a draft's shape [B, depths, V] float32, on the GPU.
 
 A DDTree step takes the K = budget most probable tokens at each of the block's depths from
 the drafter's logits. With few rows (batch 1: 15 rows of 49,152) one sort per row leaves
-most of the GPU idle; the two-round top_k sorts chunks of --chunks entries first (kdj's
-default: tree.TOP_K_CHUNK); tree.top_k picks one round or two by what this measures. Each
-is jitted inside an on-device loop of --iters calls (the input perturbed by the loop index
-so nothing is hoisted), after a warm-up run. The inputs are rounded to eighths, so many
-entries tie, and both must give the same values and indices ("identical").
+most of the GPU idle. "two-rounds" (top_k_two_rounds) takes the top K of each chunk of
+--chunks entries first (kdj's default: tree.TOP_K_CHUNK); "pruned" (top_k_pruned) reads the
+rows once for each chunk's maximum and sorts only the K chunks that rank highest
+(--pruned-chunks; 0: its own default, tree.pruning_chunk). tree.top_k picks by what this
+measures. Each is jitted inside an on-device loop of --iters calls (the input perturbed by
+the loop index so nothing is hoisted), after a warm-up run. The inputs are rounded to
+eighths, so many entries tie, and every form must give lax.top_k's values and indices
+("identical").
 
     python bench/top_k.py --out $OUT/top_k.json
 """
@@ -39,6 +42,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256])
     p.add_argument("--ks", nargs="+", type=int, default=[16, 64])
     p.add_argument("--chunks", nargs="+", type=int, default=[256, 1024])
+    p.add_argument("--pruned-chunks", nargs="+", type=int, default=[0, 64, 128])
     p.add_argument("--depths", type=int, default=15)
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--iters", type=int, default=200)
@@ -49,6 +53,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> list:
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
+    forms = [("two-rounds", c, functools.partial(trees.top_k_two_rounds, chunk=c))
+             for c in args.chunks]  # fmt: skip
+    forms += [("pruned", c, functools.partial(trees.top_k_pruned, chunk=c or None))
+              for c in args.pruned_chunks]  # fmt: skip
     rows = []
     for B in args.batches:
         x = jax.random.normal(jax.random.key(B), (B, args.depths, args.vocab), jnp.float32)
@@ -56,16 +64,18 @@ def main(argv=None) -> list:
         for k in args.ks:
             want = jax.lax.top_k(x, k)
             xla = seconds(lambda x, k: jax.lax.top_k(x, k), x, k, args.iters)
-            for chunk in args.chunks:
-                fn = functools.partial(trees.top_k_two_rounds, chunk=chunk)
+            for form, chunk, fn in forms:
+                chunk = chunk or trees.pruning_chunk(args.vocab, k)
                 got = jax.jit(fn, static_argnums=1)(x, k)
                 same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(want, got))
-                two = seconds(fn, x, k, args.iters)
-                rows.append({"batch": B, "k": k, "chunk": chunk, "lax_us": xla * 1e6,
-                             "two_round_us": two * 1e6, "speedup": xla / two,
+                us = seconds(fn, x, k, args.iters) * 1e6
+                rows.append({"batch": B, "k": k, "form": form, "chunk": chunk,
+                             "lax_us": xla * 1e6, "us": us, "speedup": xla * 1e6 / us,
                              "identical": same})  # fmt: skip
-                us = f"lax.top_k {xla * 1e6:8.1f} us  two rounds {two * 1e6:8.1f} us"
-                print(f"B={B:4d} k={k:3d} chunk={chunk:5d}  {us}  {xla / two:5.2f}x  same {same}")
+                print(
+                    f"B={B:4d} k={k:3d} {form:10s} chunk={chunk:5d}  lax.top_k "
+                    f"{xla * 1e6:8.1f} us  {us:8.1f} us  {xla * 1e6 / us:5.2f}x  same {same}"
+                )
     if args.out:
         harness.write_result(args.out, {"rows": rows}, argv)
     return rows

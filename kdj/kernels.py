@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 XLA, PALLAS = "xla", "pallas"
+# XLA's default command buffer kinds (debug_options_flags.cc), then conditionals.
+GRAPHED = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "DYNAMIC_SLICE_FUSION",
+           "CONDITIONAL")  # fmt: skip
 FAMILIES = ("dense_gemv", "head_gemv", "attention", "latent_attention", "expert_gemv",
             "expert_grouped")  # fmt: skip
 
@@ -68,6 +71,12 @@ class KernelPolicy:
     # Its matmuls cut K into slices of at least this many inputs (fixed_splits), so that one
     # row's matmul fills more of the GPU; each slice is a partial sum written out in float32.
     fixed_split_inputs: int = 192
+    # Record conditionals into XLA's command buffers (CUDA graphs with conditional nodes)
+    # beside the kernels and GEMMs XLA records by default: outside a graph a conditional
+    # copies its branch index to the host and waits for it, mid-step (auto's per-step
+    # lax.switch). Programs without a conditional compile as before. Opt-in: the option names
+    # every kind it records, so an XLA whose own default list differs would run this one.
+    graph_conditionals: bool = False
 
     def __post_init__(self):
         for name in FAMILIES:
@@ -174,8 +183,15 @@ class KernelPolicy:
     def compiler_options(self) -> dict:
         """XLA options for the programs this policy runs. Deterministic: no excess precision,
         so every bf16 op rounds as written; with it XLA may keep an intermediate in float32
-        inside a fusion, and which ops fuse depends on the shapes (one token or a verify)."""
-        return {"xla_allow_excess_precision": False} if self.deterministic else {}
+        inside a fusion, and which ops fuse depends on the shapes (one token or a verify).
+        graph_conditionals: XLA's default command buffer kinds plus CONDITIONAL
+        (the option takes the whole list; GPU backends read it, others ignore it)."""
+        options = {}
+        if self.deterministic:
+            options["xla_allow_excess_precision"] = False
+        if self.graph_conditionals:
+            options["xla_gpu_enable_command_buffer"] = ",".join(GRAPHED)
+        return options
 
     def fixed_tiles(self) -> bool:
         """Whether matmuls run with fixed tiles: deterministic, where dense weights take

@@ -120,3 +120,26 @@ def test_the_drafter_takes_its_targets_policy():
     assert moved.graphdef != drafter.graphdef and moved.with_kernels(policy) is moved
     linears = [m for _, m in nnx.iter_modules(moved.model) if hasattr(m, "kernels")]
     assert len(linears) >= 7 and all(m.kernels == policy for m in linears)  # fc, q/k/v/o, MLP
+
+
+def test_graph_conditionals_names_command_buffer_kinds_this_xla_knows():
+    """The option lists XLA's command buffer kinds by name; XLA parses it on any backend
+    (the CPU ignores it), so a renamed kind fails here rather than on the GPU."""
+    from kdj.handles import Executables
+
+    assert KernelPolicy().compiler_options() == {}
+    options = KernelPolicy(graph_conditionals=True).as_deterministic().compiler_options()
+    assert options["xla_allow_excess_precision"] is False
+    assert options["xla_gpu_enable_command_buffer"].split(",")[-1] == "CONDITIONAL"
+
+    def step(i, y):  # a branch picked per step inside an on-device loop, as auto's step is
+        return jax.lax.switch(i % 2, [lambda z: z * 2, lambda z: z + 1], y)
+
+    def loop(x):
+        return jax.lax.fori_loop(0, 4, step, x)
+
+    x = jnp.ones(3)
+    program = Executables().get(jax.jit(loop), x, options=options)
+    np.testing.assert_array_equal(program(x), jnp.full(3, 7.0))
+    with pytest.raises(Exception, match="not a valid enum value"):
+        jax.jit(loop).lower(x).compile({"xla_gpu_enable_command_buffer": "+WHILE"})

@@ -128,22 +128,26 @@ def test_committable_is_the_identity_when_everything_fits():
     np.testing.assert_array_equal(np.asarray(cut["tokens"]), np.asarray(chain["tokens"]))
 
 
-def test_two_round_top_k_equals_lax_top_k_ties_included():
+@pytest.mark.parametrize("fn", [trees.top_k_two_rounds, trees.top_k_pruned])
+def test_chunked_top_k_equals_lax_top_k_ties_included(fn):
     """The draft's top-K per depth in two rounds (per chunk, then over the chunks' winners and
-    the leftover entries) gives lax.top_k's values and indices exactly: with many ties (small
-    integers), -inf entries, rows of -inf or NaN only, a vocabulary that is not a whole number
-    of chunks, and k at, below and above the chunk (one round)."""
+    the leftover entries) or pruned by chunk maxima gives lax.top_k's values and indices
+    exactly: with many ties (small integers), -inf entries, NaNs of either sign, rows of -inf
+    or NaN only, a vocabulary that is not a whole number of chunks, and k at, below and
+    above the chunk and the chunk count (one round)."""
     rng = np.random.default_rng(0)
-    top_k = jax.jit(trees.top_k_two_rounds, static_argnums=(1, 2))
-    for V, chunk in [(61, 7), (64, 8), (3 * trees.TOP_K_CHUNK + 5, trees.TOP_K_CHUNK)]:
+    top_k = jax.jit(fn, static_argnums=(1, 2))
+    for V, chunk in [(61, 7), (64, 8), (3 * trees.TOP_K_CHUNK + 5, trees.TOP_K_CHUNK),
+                     (3 * trees.TOP_K_CHUNK + 5, None)]:  # None: its default  # fmt: skip
         ties = rng.integers(0, 5, (3, 4, V)).astype(np.float32)
         holes = rng.normal(size=(3, 4, V)).astype(np.float32)
         holes[..., ::3] = -np.inf
         holes[0, 0], holes[0, 1], holes[1, 0, 5:] = -np.inf, -np.nan, -np.nan
+        holes[2, 1, 7], holes[2, 2, 40] = np.nan, np.inf
         for x in (ties, holes):
-            for k in sorted({1, 6, chunk, chunk + 1, 16}):
+            for k in sorted({1, 6, chunk or 64, (chunk or 64) + 1, 16, min(64, V)}):
                 want = jax.lax.top_k(jnp.asarray(x), k)
-                got = top_k(jnp.asarray(x), k, chunk)
+                got = top_k(jnp.asarray(x), k, *([] if chunk is None else [chunk]))
                 np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]), f"{k}")
                 np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]), f"{k}")
 

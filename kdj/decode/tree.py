@@ -78,6 +78,42 @@ def top_k_two_rounds(x, k: int, chunk: int = TOP_K_CHUNK):
     return v2, jnp.take_along_axis(index, j, axis=-1)
 
 
+def total_order_key(x):
+    """float32 -> int32 ranked as lax.top_k ranks floats: -NaN < -inf < ... < inf < NaN."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negatives: flip all but the sign bit
+
+
+def pruning_chunk(V: int, k: int) -> int:
+    """top_k_pruned's chunk: the power of two nearest sqrt(V / k), so the chunk maxima (V / c)
+    and the candidates (k x c) are about as many; at least 8."""
+    return max(8, 1 << round(math.log2(math.sqrt(V / max(k, 1)))))
+
+
+def top_k_pruned(x, k: int, chunk: int | None = None):
+    """lax.top_k(x, k) over the last axis, the full rows read once by a plain reduction: the
+    maximum of each whole `chunk` entries, the k chunks whose maxima rank highest (lower chunk
+    first among equals), then the top k of those chunks' entries and the leftover ones, in
+    index order. Exact, ties and NaNs included: an entry outside the chosen chunks has k
+    chosen maxima ranked ahead of it, each an entry of its own."""
+    V = x.shape[-1]
+    c = chunk or pruning_chunk(V, k)
+    n = V // c
+    if n <= k:
+        return jax.lax.top_k(x, k)
+    lead = x.shape[:-1]
+    full = x[..., : n * c].reshape(*lead, n, c)
+    _, chosen = jax.lax.top_k(total_order_key(full).max(axis=-1), k)  # [..., k] chunks
+    chosen = jnp.sort(chosen, axis=-1)  # candidates in index order: ties go to the lower
+    picked = jnp.take_along_axis(full, chosen[..., None], axis=-2)  # [..., k, c]
+    index = chosen[..., None] * c + jnp.arange(c, dtype=chosen.dtype)
+    rest = jnp.broadcast_to(jnp.arange(n * c, V, dtype=chosen.dtype), (*lead, V - n * c))
+    values = jnp.concatenate([picked.reshape(*lead, k * c), x[..., n * c :]], axis=-1)
+    index = jnp.concatenate([index.reshape(*lead, k * c), rest], axis=-1)
+    top, j = jax.lax.top_k(values, k)
+    return top, jnp.take_along_axis(index, j, axis=-1)
+
+
 class Draft(NamedTuple):
     """The drafter's per-depth distributions as a step reads them: logits [B, L, V] float32
     and their log-normaliser lse [B, L] (log-probs = logits - lse). No [B, L, V] log-softmax
