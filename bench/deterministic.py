@@ -113,6 +113,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-model", default="moonlight-16b-a3b")
     p.add_argument("--moe-layers", type=int, default=4)
     p.add_argument("--moe-batches", nargs="*", type=int, default=[1, 8, 64])
+    p.add_argument(
+        "--kernels",
+        default="default",
+        choices=sorted(harness.KERNEL_CASES),
+        help="kernel case of bench/harness.py the real target runs (both modes)",
+    )
     p.add_argument("--out", required=True)
     return p
 
@@ -122,6 +128,7 @@ def main(argv=None):
     from kdj.train.loop import chat_prompts
 
     target = kdj.load_target("smollm2-135m-instruct", dtype="bfloat16")
+    target = harness.with_kernels(target, args.kernels)
     drafter = kdj.load_drafter(args.drafter, target=target)
     held = json.loads(Path(args.prompts).read_text())["sharegpt"]
     prompts = chat_prompts(target.tokenizer, held, 512)

@@ -111,6 +111,8 @@ KERNEL_CASES: dict[str, dict] = {
     "det-xla-dense": {"deterministic": True, "dense_gemv": "xla"},  # XLA GEMMs, no fixed tiles
     "det-xla-both": {"deterministic": True, "attention": "xla", "dense_gemv": "xla"},
     "det-unsplit": {"deterministic": True, "fixed_split_inputs": 1 << 30},  # K never sliced
+    "det-packed": {"deterministic": True, "attention_nodes_per_tile": 64},  # nodes share tiles
+    "packed-tiles": {"attention_nodes_per_tile": 64},  # the same, where deterministic mode runs
     "graph-conditionals": {"graph_conditionals": True},  # lax.cond / switch in CUDA graphs
 }
 

@@ -71,6 +71,10 @@ class KernelPolicy:
     # Its matmuls cut K into slices of at least this many inputs (fixed_splits), so that one
     # row's matmul fills more of the GPU; each slice is a partial sum written out in float32.
     fixed_split_inputs: int = 192
+    # Its attention may pack up to this many tree nodes into one query tile (as many as the
+    # tile's rows hold), the blocks below the verify's start read once for them all rather
+    # than once per node; 1: one node a tile.
+    attention_nodes_per_tile: int = 1
     # Record conditionals into XLA's command buffers (CUDA graphs with conditional nodes)
     # beside the kernels and GEMMs XLA records by default: outside a graph a conditional
     # copies its branch index to the host and waits for it, mid-step (auto's per-step
@@ -86,7 +90,8 @@ class KernelPolicy:
         if not 0 <= self.gemv_min_weights <= self.gemv_max_weights:
             raise ValueError("KernelPolicy needs 0 <= gemv_min_weights <= gemv_max_weights")
         if min(self.gemv_programs, self.attention_programs, self.split_blocks,
-               self.decode_split_blocks, self.fixed_split_inputs) < 1:  # fmt: skip
+               self.decode_split_blocks, self.fixed_split_inputs,
+               self.attention_nodes_per_tile) < 1:  # fmt: skip
             raise ValueError("KernelPolicy program counts and split blocks must be >= 1")
 
     @staticmethod
@@ -148,7 +153,8 @@ class KernelPolicy:
         blocks from slot 0, each node's query rows a tile of their own of at most 64 rows
         over the node's path: tree_attention.packed_paths)."""
         if self.deterministic:
-            return dict(fixed_split=self.split_blocks, block_q=64, block_k=64)
+            return dict(fixed_split=self.split_blocks, block_q=64, block_k=64,
+                        nodes_per_tile=self.attention_nodes_per_tile)  # fmt: skip
         return dict(programs=self.attention_programs, min_split_blocks=self.min_split_blocks(T))
 
     def gather_limit(self, expert_kernel: bool) -> float:

@@ -125,8 +125,9 @@ def test_verify_rows_equal_decode_steps_and_the_check_catches_a_width_dependent_
 
 def test_fixed_tiles_and_splits_keep_rows_equal(pair):
     """Deterministic mode where Pallas runs (the GPU): matmuls and logits on fixed tiles
-    (layers.fixed_tile_matmul), attention with splits fixed from slot 0; here in Pallas'
-    interpreter, on a target whose heads the attention kernel takes."""
+    (layers.fixed_tile_matmul), attention with splits fixed from slot 0, one node a query
+    tile or several; here in Pallas' interpreter, on a target whose heads the attention
+    kernel takes."""
     family, _, _ = pair
     if family != "llama":
         pytest.skip("the dense projections and GQA attention are the llama family's")
@@ -140,6 +141,9 @@ def test_fixed_tiles_and_splits_keep_rows_equal(pair):
     assert policy.attention_kernel_for(1) and policy.attention_config(1)["fixed_split"]
     assert rows_match_steps(target.with_kernels(policy))
     assert tree_rows_match_paths(target.with_kernels(policy))
+    packed = policy.replace(attention_nodes_per_tile=8)  # tree nodes sharing query tiles
+    assert packed.attention_config(4)["nodes_per_tile"] == 8
+    assert tree_rows_match_paths(target.with_kernels(packed))
     x = jax.random.normal(jax.random.key(0), (70, 64), jnp.float32)
     w = jax.random.normal(jax.random.key(1), (64, 200), jnp.float32)
     assert jnp.allclose(layers.fixed_tile_matmul(x[:, :40], w[:40]), x[:, :40] @ w[:40],

@@ -281,12 +281,15 @@ def node_by_node(call, q, caches, start, parent, fill=1e4):
 @pytest.mark.parametrize(
     "dtype,H,KVH,cfg",
     [(jnp.bfloat16, 8, 2, DETERMINISTIC),  # G = 4: one 16-row tile per node
-     (jnp.float32, 64, 2, dict(DETERMINISTIC, block_q=16))],  # G = 32: two tiles per node
+     (jnp.float32, 64, 2, dict(DETERMINISTIC, block_q=16)),  # G = 32: two tiles per node
+     (jnp.bfloat16, 8, 2, dict(DETERMINISTIC, nodes_per_tile=3)),  # 3 nodes a tile, shared
+     (jnp.float32, 64, 2, dict(DETERMINISTIC, block_q=16, nodes_per_tile=3))],  # 1, shared
 )  # fmt: skip
 def test_deterministic_gqa_node_equals_its_decode(dtype, H, KVH, cfg):
     """fixed_split: every node of a random tree computes, bitwise, what the same kernel
     computes for a T = 1 decode of the node's path (slots past it filled with junk it must
-    not read), and the reference's numbers."""
+    not read), and the reference's numbers; with nodes_per_tile, nodes sharing a query tile
+    and the blocks below start read once for them all (19 nodes: the last tile part empty)."""
     B, T, hd = 2, 19, 32
     rng, q, k, v, start = inputs(8, B, T, H, KVH, hd, hd, dtype)
     parent, tree = random_parents(rng, B, T)
@@ -296,14 +299,14 @@ def test_deterministic_gqa_node_equals_its_decode(dtype, H, KVH, cfg):
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(one, np.float32))
 
 
-def test_deterministic_mla_node_equals_its_decode():
+@pytest.mark.parametrize("cfg", [DETERMINISTIC, dict(DETERMINISTIC, nodes_per_tile=4)])
+def test_deterministic_mla_node_equals_its_decode(cfg):
     B, T, H, C, R = 2, 11, 4, 64, 16
     rng, q, kv, _, start = inputs(9, B, T, H, 1, C + R, 1, jnp.bfloat16)
     parent, tree = random_parents(rng, B, T)
-    out = latent_tree_attention(q, kv, start, tree, 0.1, C, **DETERMINISTIC)
+    out = latent_tree_attention(q, kv, start, tree, 0.1, C, **cfg)
     check(out, reference_attention(q, kv, kv[..., :C], start, tree, 0.1), jnp.bfloat16)
-    one = node_by_node(lambda q, kv, s, t: latent_tree_attention(q, kv, s, t, 0.1, C,
-                                                                 **DETERMINISTIC),
+    one = node_by_node(lambda q, kv, s, t: latent_tree_attention(q, kv, s, t, 0.1, C, **cfg),
                        q, (kv,), start, parent)  # fmt: skip
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(one, np.float32))
 

@@ -19,7 +19,10 @@ the node would, or the MMA groups the same terms differently. So every query's v
 slots are packed (packed_paths: a node's path from the root, at start + depth), a query tile
 holds one node's rows (its tile size set by G alone), and splits of F blocks count from slot
 0. A T = 1 decode is the same computation with a path of one, at the cost of one program
-row per node: a T-node verify reads the prefix T times (from L2, mostly).
+row per node: a T-node verify reads the prefix T times (from L2, mostly). With
+nodes_per_tile > 1, up to that many nodes share a tile (as many as its rows hold): the
+blocks below start are read once for them, each block above once per node, every row taking
+its own node's dot (the same tile shape as a decode's, so the same sums).
 
 Backend: Pallas with the Triton lowering (``jax.experimental.pallas.triton``). It exists in
 jax 0.10 (CPU CI) and 0.11 (the GPU), where it is deprecated (a warning, silenced below) in
@@ -85,7 +88,9 @@ def _kernel(
     *refs,  # count [B * T] (fixed_split only), q, k, v unless latent; then o, m, l blocks
     T: int,
     G: int,
-    Gp: int,
+    P: int,
+    Rg: int,
+    shared: bool,
     KVH: int,
     parts: tuple[tuple[int, int], ...],
     dv: int,
@@ -109,10 +114,13 @@ def _kernel(
     qs = [q_ref[b, h, pl.ds(qi * bq, bq), pl.ds(off, size)] for off, size in parts]
 
     start = start_ref[b]
-    if fixed_split:  # the tile's rows are one node's: it reads its own packed path
-        node = qi * bq // Gp
-        count = count_ref[b * T + node]
-        end = jnp.minimum(start + count, S)
+    if fixed_split:  # the tile's rows are P nodes' (a group of Rg rows): each its own path
+        group, local = qi * bq // Rg, (qi * bq) % Rg + jnp.arange(bq)
+        row_node = jnp.minimum(local // G, P - 1)  # padding rows follow the group's last
+        nodes = [jnp.minimum(group * P + j, T - 1) for j in range(P)]
+        counts = [jnp.where(group * P + j < T, count_ref[b * T + n], 0)
+                  for j, n in enumerate(nodes)]  # fmt: skip
+        end = jnp.minimum(start + functools.reduce(jnp.maximum, counts), S)
     else:
         # Slots >= end are never read: past start + T they are stale, and past the cache's
         # last slot (a tree cut at the cache end) they do not exist; an unmasked read there
@@ -120,30 +128,49 @@ def _kernel(
         end = jnp.minimum(start + T, S)
     n_full = start // bk  # blocks entirely below start: visible to every query
 
-    def step(blk, carry, tail: bool):
+    def step(blk, carry, tail: bool, common: bool = False):
         o, m, l = carry
         s0 = blk * bk
         slots = s0 + jnp.arange(bk)
-        at, masked, gather = pl.ds(s0, bk), {}, tail and bool(fixed_split)
-        if gather:
-            # Logical slot start + d holds the node's d-th path entry (packed_paths).
-            row = (b * T + node) * T
-            src, seen = packed_source(
-                slots, start, count, lambda j: tree_ref[row + j].astype(jnp.int32), T, S
-            )
-            at, masked = src[:, None], dict(mask=seen[:, None], other=0)
+        gather = (tail or common) and bool(fixed_split)
+        reads = [(pl.ds(s0, bk), {}, None)]  # per node of the tile: (at, load mask, seen)
+        if gather and common:
+            # A block below start, the same for every node of the tile: read once, through
+            # the gathered step's own code (a contiguous read may round a dot differently).
+            seen = slots >= 0
+            reads = [(slots[:, None], dict(mask=seen[:, None], other=0), seen)]
+        elif gather:
+            # Logical slot start + d holds a node's d-th path entry (packed_paths).
+            reads = []
+            for n, count in zip(nodes, counts):
+                row = (b * T + n) * T
+                src, seen = packed_source(
+                    slots, start, count, lambda j, row=row: tree_ref[row + j].astype(jnp.int32),
+                    T, S,
+                )  # fmt: skip
+                reads.append((src[:, None], dict(mask=seen[:, None], other=0), seen))
         elif tail:  # tail blocks run past end: read those slots as 0 (stale V times p = 0: NaN)
-            masked = dict(mask=(slots < end)[:, None], other=0)
+            reads = [(pl.ds(s0, bk), dict(mask=(slots < end)[:, None], other=0), None)]
 
         def cols(off, size):  # a gather indexes every axis by arrays (Pallas' interpreter)
             return off + jnp.arange(size)[None] if gather else pl.ds(off, size)
 
-        ks = [plgpu.load(k_ref.at[b, h, at, cols(off, size)], **masked) for off, size in parts]
-        s = sum(plgpu.dot(qp, kp, trans_b=True, precision=precision) for qp, kp in zip(qs, ks))
-        s = s.astype(jnp.float32) * scale
-        if gather:
-            s = jnp.where(seen[None, :], s, -jnp.inf)
-        elif tail:
+        def by_node(parts_of_node):  # each row takes its own node's result, as one node would
+            out = parts_of_node[0]
+            for j in range(1, len(parts_of_node)):
+                out = jnp.where((row_node == j)[:, None], parts_of_node[j], out)
+            return out
+
+        kss, ss = [], []
+        for at, masked, seen in reads:
+            ks = [plgpu.load(k_ref.at[b, h, at, cols(off, size)], **masked) for off, size in parts]
+            s = sum(plgpu.dot(qp, kp, trans_b=True, precision=precision)
+                    for qp, kp in zip(qs, ks))  # fmt: skip
+            s = s.astype(jnp.float32) * scale
+            kss.append(ks)
+            ss.append(s if seen is None else jnp.where(seen[None, :], s, -jnp.inf))
+        s = by_node(ss)
+        if tail and not gather:
             # Tree bit of (row's node, slot - start); rows past T * G are padding.
             t = jnp.minimum(rows // G, T - 1)
             j = jnp.clip(slots - start, 0, T - 1)
@@ -155,11 +182,14 @@ def _kernel(
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing seen yet
         alpha = jnp.exp(m - m_use)
         p = jnp.exp(s - m_use[:, None])
-        if latent:
-            vt = ks[0]  # the first C columns of the stream are the values: no second read
-        else:
-            vt = plgpu.load(v_ref.at[b, h, at, cols(0, v_ref.shape[3])], **masked)
-        pv = plgpu.dot(p.astype(vt.dtype), vt, precision=precision).astype(jnp.float32)
+        pvs = []
+        for (at, masked, _), ks in zip(reads, kss):
+            if latent:
+                vt = ks[0]  # the first C columns of the stream are the values: no second read
+            else:
+                vt = plgpu.load(v_ref.at[b, h, at, cols(0, v_ref.shape[3])], **masked)
+            pvs.append(plgpu.dot(p.astype(vt.dtype), vt, precision=precision))
+        pv = by_node(pvs).astype(jnp.float32)
         return o * alpha[:, None] + pv, m_new, l * alpha + p.sum(axis=1)
 
     carry = (
@@ -168,13 +198,17 @@ def _kernel(
         jnp.zeros((bq,), jnp.float32),
     )
     if fixed_split:
-        # Program sp: blocks [sp F, (sp + 1) F) of the slot axis up to the node's end, every
-        # one through the same gathered step: a decode of the node reads its ancestors below
-        # its start, the node above, and the two must run the same code on each block.
+        # Program sp: blocks [sp F, (sp + 1) F) of the slot axis up to the tile's last end
+        # (past a node's own end a block changes none of its rows' sums). Unshared, every
+        # block goes through the gathered step, as a decode of the node reads its ancestors
+        # below its start and the node above; shared, the blocks below start are read once
+        # for all the tile's nodes (the same keys for each), through the same code.
         n_blocks = pl.cdiv(end, bk)
         lo = jnp.minimum(sp * fixed_split, n_blocks)
         hi = jnp.minimum(lo + fixed_split, n_blocks)
-        o, m, l = lax.fori_loop(lo, hi, functools.partial(step, tail=True), carry)
+        mid = jnp.clip(start // bk, lo, hi) if shared else lo
+        carry = lax.fori_loop(lo, mid, functools.partial(step, tail=False, common=True), carry)
+        o, m, l = lax.fori_loop(mid, hi, functools.partial(step, tail=True), carry)
     else:
         # Prefix programs sp < NS share the n_full unmasked blocks; program NS does the tail.
         per = pl.cdiv(n_full, n_prefix_splits)
@@ -253,19 +287,25 @@ def _flash(q, k, v, start, tree, scale, *, G, latent, dv, cfg, interpret):
     T = tree.shape[1]
     fixed = cfg.get("fixed_split") or 0
     bk = cfg.get("block_k") or 64  # on the H200, 1.4-2.3x faster than 16 or 32 for MLA
+    P, Rg, Tp, shared = 1, G, T, False  # nodes a query tile holds; rows per group of P
     if fixed:
-        # One node's G rows per tile (padded to Gp), a tile size set by G alone: a T = 1
-        # decode and every node of a verify run the same tile over the same key layout.
+        # Query tiles of a size set by G alone: a T = 1 decode and every node of a verify
+        # run the same tile over the same key layout. A group of P nodes' G rows each (padded
+        # to Rg) fills whole tiles; nodes_per_tile > 1 lets P nodes share a tile, and the
+        # blocks below start be read once for them all (shared).
         bq = min(cfg.get("block_q") or 64, max(16, pl.next_power_of_2(G)))
-        Gp = pl.cdiv(G, bq) * bq
-        q = jnp.pad(q.reshape(B, KVH, T, G, Dk), ((0, 0),) * 3 + ((0, Gp - G), (0, 0)))
-        q = q.reshape(B, KVH, T * Gp, Dk)
+        packing = cfg.get("nodes_per_tile") or 1
+        P, shared = max(1, min(packing, T, bq // G)), packing > 1
+        Rg, Tp = pl.cdiv(P * G, bq) * bq, pl.cdiv(T, P) * P
+        q = jnp.pad(q.reshape(B, KVH, T, G, Dk), ((0, 0), (0, 0), (0, Tp - T), (0, 0), (0, 0)))
+        q = q.reshape(B, KVH, Tp // P, P * G, Dk)
+        q = jnp.pad(q, ((0, 0),) * 3 + ((0, Rg - P * G), (0, 0)))
+        q = q.reshape(B, KVH, Tp // P * Rg, Dk)
         paths = packed_paths(tree)
         ins = [start.astype(jnp.int32), paths.index.reshape(-1), paths.count.reshape(-1)]
         ns = pl.cdiv(pl.cdiv(S, bk), fixed) - 1  # splits of `fixed` blocks from slot 0
     else:
         bq = cfg.get("block_q") or max(16, min(64, pl.next_power_of_2(R)))
-        Gp = G
         ins = [start.astype(jnp.int32), tree.astype(jnp.int8).reshape(-1)]
     Rp = pl.cdiv(q.shape[2], bq) * bq
     nq = Rp // bq
@@ -280,7 +320,9 @@ def _flash(q, k, v, start, tree, scale, *, G, latent, dv, cfg, interpret):
         _kernel,
         T=T,
         G=G,
-        Gp=Gp,
+        P=P,
+        Rg=Rg,
+        shared=shared,
         KVH=KVH,
         parts=parts,
         dv=dv,
@@ -321,7 +363,8 @@ def _flash(q, k, v, start, tree, scale, *, G, latent, dv, cfg, interpret):
             name="tree_attention_mla" if latent else "tree_attention_gqa",
         )(*ins)
     o = _merge(o, m, l, in_order=bool(fixed))
-    return o[:, : T * Gp].reshape(B, KVH, T, Gp, dv)[:, :, :, :G].reshape(B, KVH, R, dv)
+    o = o[:, : Tp // P * Rg].reshape(B, KVH, Tp // P, Rg, dv)[:, :, :, : P * G]
+    return o.reshape(B, KVH, Tp, G, dv)[:, :, :T].reshape(B, KVH, R, dv)
 
 
 def tree_attention(q, k, v, start, tree, scale: float, *, interpret: bool | None = None, **cfg):
@@ -330,8 +373,9 @@ def tree_attention(q, k, v, start, tree, scale: float, *, interpret: bool | None
     block_k, num_warps, num_stages (defaults tuned on the H200); num_splits, or the rule's
     programs and min_split_blocks (default: kdj.kernels.DEFAULT's); or fixed_split=F
     (deterministic mode): each program owns F blocks counted from slot 0 and one node's query
-    rows, and reads that node's new slots packed (packed_paths), so a node computes exactly
-    what a plain decode of its path computes, whatever the tree, batch, T or prefix.
+    rows (nodes_per_tile: up to that many nodes'), and reads each node's new slots packed
+    (packed_paths), so a node computes exactly what a plain decode of its path computes,
+    whatever the tree, batch, T or prefix.
     interpret: run in Pallas' interpreter (default: everywhere but on a GPU)."""
     B, T, H, Dk = q.shape
     KVH, Dv = k.shape[1], v.shape[-1]
