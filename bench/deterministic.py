@@ -128,6 +128,11 @@ def main(argv=None):
     from kdj.train.loop import chat_prompts
 
     target = kdj.load_target("smollm2-135m-instruct", dtype="bfloat16")
+    if harness.KERNEL_CASES[args.kernels].get("deterministic"):
+        raise SystemExit(
+            f"--kernels {args.kernels} turns deterministic mode on for the default "
+            "runs too: pick a case that leaves it off (e.g. packed-tiles)"
+        )
     target = harness.with_kernels(target, args.kernels)
     drafter = kdj.load_drafter(args.drafter, target=target)
     held = json.loads(Path(args.prompts).read_text())["sharegpt"]

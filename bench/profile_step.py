@@ -6,11 +6,11 @@
 A case is MODEL:BATCH:WHAT[:KERNELS]. MODEL: a configs/models name or YAML path (random
 weights) or "smollm2-135m-instruct" (real). WHAT: a generate method ("ar", "dflash",
 "ddtree<budget>", "auto"; speculative ones with a random drafter of the published shape;
-"ddtree<budget>-allpairs", "-laxtop", "-pruned" or a mix: DDTree with a part of the tree
-build swapped for another, for an A/B in one call: the beam extended by top_k over all
-budget x K pairs, the build before kdj's pruning; the vocabulary's top-K in one round of
-jax.lax.top_k per (sequence, depth), where kdj may take two rounds; or by
-tree.top_k_pruned, chunk maxima first),
+"ddtree<budget>-allpairs", "-laxtop" or "-pruned" (or -allpairs then one of the other two):
+DDTree with a part of the tree build swapped for another, for an A/B in one call: the
+beam extended by top_k over all budget x K pairs, the build before kdj's pruning; the
+vocabulary's top-K in one round of jax.lax.top_k per (sequence, depth), where kdj may take
+two rounds; or by tree.top_k_pruned, chunk maxima first),
 --steps decode steps after a prompt of --context random tokens (--prompts: held-out chat
 prompts of at most --context tokens; --drafter: a real drafter, e.g. to see auto's own
 step against the fixed method it picks), kernels counted in the decode loop's executable
@@ -262,7 +262,7 @@ def moe_case(name: str, B: int, T: int, args):
     return run, {"steps": args.steps}, None
 
 
-GENERATE = re.compile(r"ar|dflash|ddtree\d+(-allpairs|-laxtop|-pruned)*|auto")
+GENERATE = re.compile(r"ar|dflash|ddtree\d+(-allpairs)?(-laxtop|-pruned)?|auto")
 
 
 def profile_case(spec: str, args, targets: dict, trace_root: Path) -> dict:

@@ -6,8 +6,8 @@ the drafter's logits. With few rows (batch 1: 15 rows of 49,152) one sort per ro
 most of the GPU idle. "two-rounds" (top_k_two_rounds) takes the top K of each chunk of
 --chunks entries first (kdj's default: tree.TOP_K_CHUNK); "pruned" (top_k_pruned) reads the
 rows once for each chunk's maximum and sorts only the K chunks that rank highest
-(--pruned-chunks; 0: its own default, tree.pruning_chunk). tree.top_k picks by what this
-measures. Each is jitted inside an on-device loop of --iters calls (the input perturbed by
+(--pruned-chunks; 0: its own default, tree.pruning_chunk). tree.top_k's rule comes from
+what this measures. Each is jitted inside an on-device loop of --iters calls (the input perturbed by
 the loop index so nothing is hoisted), after a warm-up run. The inputs are rounded to
 eighths, so many entries tie, and every form must give lax.top_k's values and indices
 ("identical").

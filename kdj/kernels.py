@@ -150,8 +150,8 @@ class KernelPolicy:
     def attention_config(self, T: int) -> dict:
         """The attention kernel's split settings for T new tokens: sized to fill the GPU, or
         in deterministic mode one layout for every T and batch (splits of split_blocks
-        blocks from slot 0, each node's query rows a tile of their own of at most 64 rows
-        over the node's path: tree_attention.packed_paths)."""
+        blocks from slot 0, query tiles of at most 64 rows holding up to
+        attention_nodes_per_tile nodes, each over its own path: tree_attention.packed_paths)."""
         if self.deterministic:
             return dict(fixed_split=self.split_blocks, block_q=64, block_k=64,
                         nodes_per_tile=self.attention_nodes_per_tile)  # fmt: skip

@@ -133,8 +133,9 @@ def test_chunked_top_k_equals_lax_top_k_ties_included(fn):
     """The draft's top-K per depth in two rounds (per chunk, then over the chunks' winners and
     the leftover entries) or pruned by chunk maxima gives lax.top_k's values and indices
     exactly: with many ties (small integers), -inf entries, NaNs of either sign, rows of -inf
-    or NaN only, a vocabulary that is not a whole number of chunks, and k at, below and
-    above the chunk and the chunk count (one round)."""
+    or NaN only, rows all below zero (log-probs), ties across chunks of different maxima, a
+    vocabulary that is not a whole number of chunks, and k at, below and above the chunk and
+    the chunk count (one round)."""
     rng = np.random.default_rng(0)
     top_k = jax.jit(fn, static_argnums=(1, 2))
     for V, chunk in [(61, 7), (64, 8), (3 * trees.TOP_K_CHUNK + 5, trees.TOP_K_CHUNK),
@@ -144,7 +145,10 @@ def test_chunked_top_k_equals_lax_top_k_ties_included(fn):
         holes[..., ::3] = -np.inf
         holes[0, 0], holes[0, 1], holes[1, 0, 5:] = -np.inf, -np.nan, -np.nan
         holes[2, 1, 7], holes[2, 2, 40] = np.nan, np.inf
-        for x in (ties, holes):
+        logprobs = rng.normal(size=(3, 4, V)).astype(np.float32) - 12  # all below zero
+        spikes = rng.integers(0, 3, (3, 4, V)).astype(np.float32)  # the k-th value ties across
+        spikes[..., rng.integers(0, V, 3)] = 9  # chunks whose maxima differ
+        for x in (ties, holes, logprobs, spikes):
             for k in sorted({1, 6, chunk or 64, (chunk or 64) + 1, 16, min(64, V)}):
                 want = jax.lax.top_k(jnp.asarray(x), k)
                 got = top_k(jnp.asarray(x), k, *([] if chunk is None else [chunk]))

@@ -94,8 +94,10 @@ def top_k_pruned(x, k: int, chunk: int | None = None):
     """lax.top_k(x, k) over the last axis, the full rows read once by a plain reduction: the
     maximum of each whole `chunk` entries, the k chunks whose maxima rank highest (lower chunk
     first among equals), then the top k of those chunks' entries and the leftover ones, in
-    index order. Exact, ties and NaNs included: an entry outside the chosen chunks has k
-    chosen maxima ranked ahead of it, each an entry of its own."""
+    index order. Exact, ties included, wherever lax.top_k ranks floats in total order (XLA's
+    sort; its one-pass GPU kernel holds -0.0 equal to 0.0 and leaves NaNs unordered): an entry
+    outside the chosen chunks has k chosen maxima ranked ahead of it, each an entry of its
+    own."""
     V = x.shape[-1]
     c = chunk or pruning_chunk(V, k)
     n = V // c

@@ -155,21 +155,17 @@ def _kernel(
         def cols(off, size):  # a gather indexes every axis by arrays (Pallas' interpreter)
             return off + jnp.arange(size)[None] if gather else pl.ds(off, size)
 
-        def by_node(parts_of_node):  # each row takes its own node's result, as one node would
-            out = parts_of_node[0]
-            for j in range(1, len(parts_of_node)):
-                out = jnp.where((row_node == j)[:, None], parts_of_node[j], out)
-            return out
+        def by_node(j, mine, out):  # node j's rows take its result, as that node alone would
+            return mine if j == 0 else jnp.where((row_node == j)[:, None], mine, out)
 
-        kss, ss = [], []
-        for at, masked, seen in reads:
+        kss, s = [], None
+        for j, (at, masked, seen) in enumerate(reads):
             ks = [plgpu.load(k_ref.at[b, h, at, cols(off, size)], **masked) for off, size in parts]
-            s = sum(plgpu.dot(qp, kp, trans_b=True, precision=precision)
-                    for qp, kp in zip(qs, ks))  # fmt: skip
-            s = s.astype(jnp.float32) * scale
+            sj = sum(plgpu.dot(qp, kp, trans_b=True, precision=precision)
+                     for qp, kp in zip(qs, ks))  # fmt: skip
+            sj = sj.astype(jnp.float32) * scale
             kss.append(ks)
-            ss.append(s if seen is None else jnp.where(seen[None, :], s, -jnp.inf))
-        s = by_node(ss)
+            s = by_node(j, sj if seen is None else jnp.where(seen[None, :], sj, -jnp.inf), s)
         if tail and not gather:
             # Tree bit of (row's node, slot - start); rows past T * G are padding.
             t = jnp.minimum(rows // G, T - 1)
@@ -182,14 +178,14 @@ def _kernel(
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing seen yet
         alpha = jnp.exp(m - m_use)
         p = jnp.exp(s - m_use[:, None])
-        pvs = []
-        for (at, masked, _), ks in zip(reads, kss):
+        pv = None
+        for j, ((at, masked, _), ks) in enumerate(zip(reads, kss)):
             if latent:
                 vt = ks[0]  # the first C columns of the stream are the values: no second read
             else:
                 vt = plgpu.load(v_ref.at[b, h, at, cols(0, v_ref.shape[3])], **masked)
-            pvs.append(plgpu.dot(p.astype(vt.dtype), vt, precision=precision))
-        pv = by_node(pvs).astype(jnp.float32)
+            pv = by_node(j, plgpu.dot(p.astype(vt.dtype), vt, precision=precision), pv)
+        pv = pv.astype(jnp.float32)
         return o * alpha[:, None] + pv, m_new, l * alpha + p.sum(axis=1)
 
     carry = (
@@ -206,8 +202,11 @@ def _kernel(
         n_blocks = pl.cdiv(end, bk)
         lo = jnp.minimum(sp * fixed_split, n_blocks)
         hi = jnp.minimum(lo + fixed_split, n_blocks)
-        mid = jnp.clip(start // bk, lo, hi) if shared else lo
-        carry = lax.fori_loop(lo, mid, functools.partial(step, tail=False, common=True), carry)
+        mid = lo
+        if shared:
+            mid = jnp.clip(start // bk, lo, hi)
+            carry = lax.fori_loop(lo, mid, functools.partial(step, tail=False, common=True),
+                                  carry)  # fmt: skip
         o, m, l = lax.fori_loop(mid, hi, functools.partial(step, tail=True), carry)
     else:
         # Prefix programs sp < NS share the n_full unmasked blocks; program NS does the tail.
