@@ -26,9 +26,10 @@ The cases start from the same weights and batch: their step-0 loss, acc and tau 
 side by side (equal up to bf16 rounding).
 
 FLOPs per step are counted from the shapes (step_flops): the target's forward through its
-last tapped layer (with labels "target" all of it and the lm_head on every position), the
-drafter's forward and backward (its fc gets only a weight gradient) and the lm_head on the
-draft slots, forward and input gradient. Attention counts every score the dense einsums
+last tapped layer (with labels "target" all of it and the lm_head on every position; with
+"distribution" all of it and the lm_head on every draft slot), the drafter's forward and
+backward (its fc gets only a weight gradient) and the lm_head on the draft slots, forward
+and input gradient. Attention counts every score the dense einsums
 compute (context positions past a block's anchor included). MFU is against the H200's bf16
 dense spec (989 TFLOP/s) and the 808 TFLOP/s an 8192^3 bf16 matmul reached through jax.jit
 on it (shared/reference/ANCHORS.md); --matmul-size measures that rate in this run too.
@@ -53,7 +54,7 @@ import profile_step
 from flax import nnx
 
 from kdj.models.transformer import full_sequence
-from kdj.train.config import OptimConfig, TrainConfig
+from kdj.train.config import LABELS, OptimConfig, TrainConfig
 from kdj.train.forward import (
     block_labels,
     drafter_blocks,
@@ -82,7 +83,7 @@ def layer_flops(cfg, tokens: int, keys: int) -> int:
     return 2 * tokens * proj + 4 * tokens * H * hd * keys
 
 
-def step_flops(target_cfg, dcfg, batch: int, seq: int, anchors: int, greedy: bool) -> dict:
+def step_flops(target_cfg, dcfg, batch: int, seq: int, anchors: int, labels: str) -> dict:
     """FLOPs of one training step by part (see the module docstring)."""
     t = target_cfg
     if t.family != "llama" or t.n_routed_experts:
@@ -92,8 +93,10 @@ def step_flops(target_cfg, dcfg, batch: int, seq: int, anchors: int, greedy: boo
     tapped = max(dcfg.target_layer_ids) + 1
     head = 2 * D * V
     out = {"target": tapped * layer_flops(t, B * S, S)}
-    if greedy:  # the layers after the last tap and the lm_head on every position
-        out["target_labels"] = (t.num_layers - tapped) * layer_flops(t, B * S, S) + B * S * head
+    if labels != "tokens":  # the layers after the last tap, and the lm_head on every
+        # position (the argmax) or on every draft slot (the target's distribution)
+        rows = B * S if labels == "target" else B * N * (b - 1)
+        out["target_labels"] = (t.num_layers - tapped) * layer_flops(t, B * S, S) + rows * head
     dl = dcfg.layers
     _, _, KVH, hd = _dims(dl)
     fc = 2 * B * S * len(dcfg.target_layer_ids) * D * D
@@ -120,7 +123,15 @@ def reference_loss(params, dgraph, tgraph, tstate, batch, cfg):
     h = drafter_blocks(drafter, target.embed[...], feats, tokens, anchors)
     logits = target.logits(h[:, :, 1:].astype(target.embed[...].dtype))
     labels, valid = block_labels(tokens, loss_mask, anchors, ok, b, greedy)
-    ce = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[..., None], -1)[..., 0]
+    if cfg.labels == "distribution":  # slot k: the target's distribution after a + k - 1
+        B, N = anchors.shape
+        at = (anchors[:, :, None] + jnp.arange(b - 1)).reshape(B, -1)
+        t_logits = jnp.take_along_axis(logits_t, at[..., None], axis=1).reshape(logits.shape)
+        gold = jnp.sum(jax.nn.softmax(t_logits.astype(jnp.float32), -1) * logits, -1)
+        labels = jnp.argmax(t_logits, -1)
+    else:
+        gold = jnp.take_along_axis(logits, labels[..., None], -1)[..., 0]
+    ce = jax.nn.logsumexp(logits, -1) - gold
     w = jnp.asarray(slot_weights(b, cfg.gamma)) * valid
     loss = jnp.sum(w * ce) / jnp.maximum(jnp.sum(w), 1e-6)
     hit = (jnp.argmax(logits, -1) == labels) & valid
@@ -210,21 +221,27 @@ def parts_case(trainer, repeats: int) -> dict:
     input gradient chunked and full, at the step's shapes."""
     tgt, cfg, o = trainer.target, trainer.cfg, trainer.optim
     tokens, mask, anchors, ok = (jnp.asarray(x) for x in trainer.batch(0))
-    ids, greedy = tuple(cfg.target_layer_ids), o.labels == "target"
-    tpass = jax.jit(lambda s, t: target_pass(tgt.graphdef, s, t, ids, greedy, o.head_chunk))
+    ids = tuple(cfg.target_layer_ids)
+    tpass = jax.jit(lambda s, t: target_pass(tgt.graphdef, s, t, ids, o.labels, o.head_chunk))
     out = {"target_pass_ms": 1e3 * harness.chained(lambda: tpass(tgt.state, tokens), repeats)}
     w = head_weight(tgt.model)
     B, N, b = *anchors.shape, cfg.block_size
     key = jax.random.key(0)
     h = jax.random.normal(key, (B, N, b - 1, w.shape[0]), w.dtype)
-    labels = jax.random.randint(key, (B, N, b - 1), 0, w.shape[1])
+    soft = o.labels == "distribution"  # labels: the target's states, else token ids
+    labels = (jax.random.normal(jax.random.key(1), h.shape, w.dtype) if soft
+              else jax.random.randint(key, (B, N, b - 1), 0, w.shape[1]))  # fmt: skip
     weights = jnp.ones((B, N, b - 1), jnp.float32)
 
     def full(h):
         logits = jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
-        gold = jnp.take_along_axis(logits, labels[..., None], -1)[..., 0]
+        if soft:
+            t = jnp.einsum("...d,dv->...v", labels, w, preferred_element_type=jnp.float32)
+            gold, best = jnp.sum(jax.nn.softmax(t, -1) * logits, -1), jnp.argmax(t, -1)
+        else:
+            gold, best = jnp.take_along_axis(logits, labels[..., None], -1)[..., 0], labels
         ce = jax.nn.logsumexp(logits, -1) - gold
-        return jnp.sum(weights * ce), jnp.argmax(logits, -1) == labels
+        return jnp.sum(weights * ce), jnp.argmax(logits, -1) == best
 
     heads = {
         "head_chunked_ms": lambda h: head_cross_entropy(h, w, labels, weights, o.head_chunk),
@@ -290,7 +307,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, help="sequences per step (default: the config's)")
     p.add_argument("--anchors", type=int, help="blocks per sequence (default: the config's)")
     p.add_argument("--max-len", type=int, help="tokens per sequence (default: the config's)")
-    p.add_argument("--labels", choices=["tokens", "target"], help="default: the config's")
+    p.add_argument("--labels", choices=LABELS, help="default: the config's")
     p.add_argument(
         "--chunks", type=int, nargs="*", help="head_chunk values (default: the config's)"
     )
@@ -317,7 +334,7 @@ def main(argv=None) -> dict:
     cfg, target, kind, dcfg, init_from, grow, tokens, mask = setup(args)
     o = cfg.optim
     B, S, N, b = o.batch_size, o.max_len, o.anchors_per_seq, dcfg.block_size
-    flops = step_flops(target.cfg, dcfg, B, S, N, o.labels == "target")
+    flops = step_flops(target.cfg, dcfg, B, S, N, o.labels)
     measured = harness.matmul_rate(args.matmul_size) if args.matmul_size else None
     meta = {
         "config": args.config, "target": target.name, "weights": kind, "init_from": init_from,

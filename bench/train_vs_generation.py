@@ -28,7 +28,8 @@ from kdj.train.loop import chat_prompts
 def accepted_lengths(target, drafter, prompt, text, b: int) -> np.ndarray:
     """Drafts accepted from each position p of the response (anchor = token p), teacher-forced."""
     seq = list(prompt) + list(text)
-    padded = seq + [0] * b  # room for the last blocks' labels
+    # room for the last blocks' labels, in steps of 128 so that prompts share compiled passes
+    padded = seq + [0] * (-(-(len(seq) + b) // 128) * 128 - len(seq))
     feats = kdj.api.hidden_states(target, [padded], drafter.cfg.target_layer_ids)
     feats = jnp.asarray(feats).reshape(1, len(padded), -1)
     anchors = jnp.arange(len(prompt), len(seq), dtype=jnp.int32)[None]
@@ -40,12 +41,20 @@ def accepted_lengths(target, drafter, prompt, text, b: int) -> np.ndarray:
                      for i, a in enumerate(range(len(prompt), len(seq)))])  # fmt: skip
 
 
-def chain_tau(lengths: np.ndarray) -> float:
-    """Tokens per step of a chain that accepts lengths[p] drafts at anchor p (+1 bonus)."""
-    p = steps = made = 0
+def chain_steps(lengths: np.ndarray) -> list[int]:
+    """Tokens each step of a chain commits when it accepts lengths[p] drafts at anchor p
+    (+1 bonus) and anchors again past them."""
+    p, made = 0, []
     while p < len(lengths) - 1:
-        steps, made, p = steps + 1, made + lengths[p] + 1, p + lengths[p] + 1
-    return made / max(steps, 1)
+        made.append(int(lengths[p]) + 1)
+        p += made[-1]
+    return made
+
+
+def chain_tau(lengths: np.ndarray) -> float:
+    """Tokens per step of that chain."""
+    made = chain_steps(lengths)
+    return sum(made) / max(len(made), 1)
 
 
 def parser() -> argparse.ArgumentParser:

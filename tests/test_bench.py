@@ -453,7 +453,22 @@ def test_train_vs_generation_chain_replay():
     bench = load_bench("train_vs_generation")
     assert bench.chain_tau(np.array([0, 0, 0, 0])) == 1.0
     # anchor 0 accepts 2 (3 tokens), anchor 3 accepts 1 (2 tokens), anchor 5 is the last
+    assert bench.chain_steps(np.array([2, 9, 9, 1, 9, 0])) == [3, 2]
     assert bench.chain_tau(np.array([2, 9, 9, 1, 9, 0])) == pytest.approx(5 / 2)
+
+
+def test_prompt_sources_bins_by_the_targets_confidence():
+    """bench/prompt_sources.py: each position falls in one bin of the target's top-1
+    probability (1.0 in the last), and a bin's rate is its positions' share of right first
+    drafts; an empty bin says so rather than 0."""
+    bench = load_bench("prompt_sources")
+    conf = np.array([0.1, 0.2, 0.95, 1.0, 0.6, 0.3])
+    right = np.array([False, True, True, True, False, True])
+    rows = bench.by_confidence(conf, right)
+    assert [r["bin"] for r in rows] == [[0.0, 0.3], [0.3, 0.5], [0.5, 0.7], [0.7, 0.9],
+                                        [0.9, 1.0]]  # fmt: skip
+    assert [r["share"] for r in rows] == pytest.approx([2 / 6, 1 / 6, 1 / 6, 0, 2 / 6])
+    assert [r["first_draft_right"] for r in rows] == [0.5, 1.0, 0.0, None, 1.0]
 
 
 # ------------------------------------------------------------------------------ train
@@ -469,19 +484,21 @@ def test_train_step_flops_count_the_shapes(tiny):
     tokens, slots, blocks_tokens = 32 * 640, 32 * 128 * 15, 32 * 128 * 16
     proj = 2 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536)  # q, o; k, v; the MLP
     layer = tokens * (proj + 4 * 9 * 64 * 640)  # scores and values over all 640 positions
-    plain = bench.step_flops(target, drafter, 32, 640, 128, greedy=False)
+    plain = bench.step_flops(target, drafter, 32, 640, 128, "tokens")
     assert plain["target"] == 28 * layer  # through layer 27, the last tap
     assert plain["draft_head"] == 2 * 2 * slots * 576 * 49152  # logits + input gradient
     fc = 2 * tokens * 4 * 576 * 576
     draft_layer = 2 * tokens * 576 * 384 + blocks_tokens * (proj + 4 * 9 * 64 * (640 + 16))
     assert plain["drafter"] == 2 * fc + 3 * 2 * draft_layer
     assert plain["total"] == plain["target"] + plain["drafter"] + plain["draft_head"]
-    greedy = bench.step_flops(target, drafter, 32, 640, 128, greedy=True)
+    greedy = bench.step_flops(target, drafter, 32, 640, 128, "target")
     assert greedy["target_labels"] == 2 * layer + 2 * tokens * 576 * 49152
     assert greedy["total"] == plain["total"] + greedy["target_labels"]
+    soft = bench.step_flops(target, drafter, 32, 640, 128, "distribution")
+    assert soft["target_labels"] == 2 * layer + slots * 2 * 576 * 49152  # a row per draft slot
     moe = harness.model_config(str(tiny["moe"]))
     with pytest.raises(ValueError, match="dense GQA"):
-        bench.step_flops(moe, harness.drafter_config(moe, ""), 2, 32, 2, greedy=False)
+        bench.step_flops(moe, harness.drafter_config(moe, ""), 2, 32, 2, "tokens")
 
 
 def test_campaign_plot_follows_the_shipped_drafter_and_branches_the_compared(tmp_path):

@@ -206,6 +206,19 @@ def test_loss_decreases_on_a_repeated_pattern(target):
     assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:3]), losses
 
 
+def test_soft_labels_train_toward_the_targets_distribution(target):
+    """labels "distribution" through the trainer's jitted step: the cross-entropy against the
+    target's distribution falls toward its entropy, and the drafter's argmax comes to agree
+    with the target's."""
+    tokens, mask = pattern_data()
+    tr = DrafterTrainer(target, tiny_drafter_cfg(target), optim(labels="distribution"),
+                        tokens, mask)  # fmt: skip
+    steps = [tr.train_step() for _ in range(30)]
+    loss, acc = np.array([m["loss"] for m in steps]), np.array([m["acc"] for m in steps])
+    assert loss[-5:].mean() < loss[:3].mean() - 0.3, loss
+    assert acc[-5:].mean() > acc[:3].mean() + 0.2, acc
+
+
 def test_checkpoint_resume_takes_the_identical_next_step(target, tmp_path):
     tokens, mask = pattern_data()
     cfg = tiny_drafter_cfg(target)
@@ -494,7 +507,7 @@ def test_greedy_labels_are_the_targets_argmax_after_the_previous_position(target
 
     def both(tokens):
         tokens = jnp.asarray(tokens)
-        tp = target_pass(target.graphdef, target.state, tokens, cfg.target_layer_ids, True, 7)
+        tp = target_pass(target.graphdef, target.state, tokens, cfg.target_layer_ids, "target", 7)
         cache = init_cache(target.cfg, 1, tokens.shape[1], jnp.float32)
         logits = target.model(tokens, jnp.zeros((1,), jnp.int32), cache)[0]
         np.testing.assert_array_equal(tp.greedy, jnp.argmax(logits, -1))
@@ -537,15 +550,23 @@ def test_block_loss_weights_early_slots(target):
 
 
 def full_logits_block_loss(drafter, target_model, feats, tokens, loss_mask, anchors, ok, gamma,
-                           greedy=None):  # fmt: skip
-    """block_loss as it was before the chunked head: the [B, N, b-1, V] logits made whole."""
+                           greedy=None, target_logits=None):  # fmt: skip
+    """block_loss as it was before the chunked head: the [B, N, b-1, V] logits made whole;
+    with target_logits [B, S, V], slot k's label is the softmax of position a + k - 1's."""
     from kdj.train.forward import slot_weights
 
     b = drafter.cfg.block_size
     h = drafter_blocks(drafter, target_model.embed[...], feats, tokens, anchors)
     logits = target_model.logits(h[:, :, 1:])
     labels, valid = block_labels(tokens, loss_mask, anchors, ok, b, greedy)
-    ce = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[..., None], -1)[..., 0]
+    if target_logits is None:
+        gold = jnp.take_along_axis(logits, labels[..., None], -1)[..., 0]
+    else:
+        rows = np.arange(anchors.shape[0])[:, None, None]
+        t = target_logits[rows, np.asarray(anchors)[:, :, None] + np.arange(b - 1)]
+        gold = jnp.sum(jax.nn.softmax(t, -1) * logits, -1)
+        labels = jnp.argmax(t, -1)
+    ce = jax.nn.logsumexp(logits, -1) - gold
     w = jnp.asarray(slot_weights(b, gamma)) * valid
     loss = jnp.sum(w * ce) / jnp.maximum(jnp.sum(w), 1e-6)
     hit = (jnp.argmax(logits, -1) == labels) & valid
@@ -556,17 +577,20 @@ def full_logits_block_loss(drafter, target_model, feats, tokens, loss_mask, anch
     return loss, metrics
 
 
-@pytest.mark.parametrize("labels,tied", [("tokens", False), ("target", True), ("set", False)])
+@pytest.mark.parametrize(
+    "labels,tied", [("tokens", False), ("target", True), ("set", False), ("distribution", True)]
+)
 def test_chunked_block_loss_equals_full_logits(labels, tied):
     """The chunked lm_head + cross-entropy (chunks of 5 over 3 x 3 x 3 = 27 draft slots: the
     last chunk padded) gives the loss, acc, tau and drafter gradient of the full logits, on
     ragged masks (a prompt, a masked hole in the response, padding anchors); the greedy
     labels equal the argmax of the full target logits. Tied and untied lm_heads. Labels "set"
     are chosen to hit or miss the drafter's argmax slot by slot (a random drafter hits
-    little), so acc and tau count real hits."""
+    little), so acc and tau count real hits. Labels "distribution": the full target logits'
+    softmax at a + k - 1 for slot k."""
     from kdj.models.drafter import build_drafter
     from kdj.models.transformer import full_sequence
-    from kdj.train.forward import target_pass
+    from kdj.train.forward import slot_states, target_pass
 
     base = tiny_target(seed=4).cfg.replace(tie_word_embeddings=tied)
     tgt = kdj.Target.from_model(build_model(base, jnp.float32, seed=4))
@@ -584,7 +608,7 @@ def test_chunked_block_loss_equals_full_logits(labels, tied):
     ok = jnp.asarray([[True, True, True], [True, True, True], [True, True, False]])
     mask = jnp.asarray(mask)
 
-    tp = target_pass(tgt.graphdef, tgt.state, tokens, cfg.target_layer_ids, True, 7)
+    tp = target_pass(tgt.graphdef, tgt.state, tokens, cfg.target_layer_ids, "target", 7)
     full = full_sequence(tgt.graphdef, tgt.state, tokens, taps=tuple(cfg.target_layer_ids))
     np.testing.assert_array_equal(tp.greedy, jnp.argmax(full[0], -1))
     greedy = {"tokens": None, "target": tp.greedy}.get(labels)
@@ -596,15 +620,25 @@ def test_chunked_block_loss_equals_full_logits(labels, tied):
             a = int(anchors[bi, n])
             greedy[bi, a : a + BLOCK - 1] = np.where(hits, pred[bi, n], (pred[bi, n] + 1) % VOCAB)
         greedy = jnp.asarray(greedy)
+    hidden = target_logits = None
+    if labels == "distribution":
+        hidden = target_pass(tgt.graphdef, tgt.state, tokens, cfg.target_layer_ids, labels, 7)
+        hidden, target_logits = hidden.hidden, full[0]
+        np.testing.assert_allclose(tgt.model.logits(hidden), target_logits, rtol=1e-5, atol=1e-5)
+        # slot k's states are the ones whose argmax is its greedy label (position a + k - 1)
+        soft_best = jnp.argmax(tgt.model.logits(slot_states(hidden, anchors, BLOCK)), -1)
+        greedy_labels = block_labels(tokens, mask, anchors, ok, BLOCK, tp.greedy)[0]
+        np.testing.assert_array_equal(soft_best, greedy_labels)
     graphdef, params = nnx.split(drafter)
     args = (tp.features, tokens, mask, anchors, ok, 3.0, greedy)
 
     def chunked(params):
         d = nnx.merge(graphdef, params)
-        return block_loss(d, tgt.model, *args, head_chunk=5)
+        return block_loss(d, tgt.model, *args, head_chunk=5, hidden=hidden)
 
     def reference(params):
-        return full_logits_block_loss(nnx.merge(graphdef, params), tgt.model, *args)
+        d = nnx.merge(graphdef, params)
+        return full_logits_block_loss(d, tgt.model, *args, target_logits=target_logits)
 
     (loss, m), grads = jax.jit(jax.value_and_grad(chunked, has_aux=True))(params)
     (want, want_m), want_grads = jax.jit(jax.value_and_grad(reference, has_aux=True))(params)

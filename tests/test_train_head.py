@@ -99,6 +99,50 @@ def test_head_gets_no_gradient_and_batch_shape_is_kept():
     np.testing.assert_allclose(out.loss_sum, want_loss, rtol=1e-6)
 
 
+def soft_reference(h, w, target_h, weights, scale=1.0):
+    """Soft labels, full logits: sum_r w_r CE(softmax(target_h_r W), softmax(h_r W)); hits
+    where the two argmaxes agree."""
+    logp = jax.nn.log_softmax(jnp.einsum("rd,dv->rv", h, w), -1)
+    t_logits = jnp.einsum("rd,dv->rv", target_h, w)
+    ce = -jnp.sum(jax.nn.softmax(t_logits, -1) * logp, -1)
+    return scale * jnp.sum(weights * ce), jnp.argmax(logp, -1) == jnp.argmax(t_logits, -1)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, R, 64])
+def test_soft_labels_equal_the_full_logits_form(chunk):
+    """Labels given as the target's hidden states: the chunked loss, hits and input gradient
+    equal the full-logits cross-entropy against the target's softmax. The target rows are
+    the drafter's rows nudged (some argmaxes agree, some not); the loss minus the target's
+    entropy is a KL, so it is smallest where the rows equal the target's."""
+    h, w, _, weights = problem(3)
+    rng = np.random.default_rng(4)
+    target_h = h + jnp.asarray(rng.normal(size=h.shape) * 0.6, jnp.float32)
+    run = jax.jit(jax.value_and_grad(chunked_loss, has_aux=True), static_argnums=4)
+    (got, got_hit), got_dh = run(h, w, target_h, weights, chunk, 0.37)
+    (want, want_hit), want_dh = jax.value_and_grad(soft_reference, has_aux=True)(
+        h, w, target_h, weights, 0.37
+    )
+    assert bool(want_hit.any()) and not bool(want_hit.all())
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_array_equal(got_hit, want_hit)
+    np.testing.assert_allclose(got_dh, want_dh, rtol=1e-5, atol=1e-7)
+    assert float(jnp.abs(got_dh[weights == 0]).max()) == 0.0
+    at_target = head_cross_entropy(target_h, w, target_h, weights, chunk)
+    assert float(at_target.loss_sum) < float(got) / 0.37
+    assert bool(at_target.hit.all())
+    # the target's states get no gradient (they are labels)
+    dt = jax.grad(lambda t: head_cross_entropy(h, w, t, weights, chunk).loss_sum)(target_h)
+    assert float(jnp.abs(dt).max()) == 0.0
+
+
+def test_labels_that_do_not_fit_the_rows_are_refused():
+    h, w, labels, weights = problem()
+    with pytest.raises(ValueError, match="token ids"):
+        head_cross_entropy(h, w, labels[:5], weights, 4)
+    with pytest.raises(ValueError, match="hidden states"):
+        head_cross_entropy(h, w, h[:, :3], weights, 4)
+
+
 @pytest.mark.parametrize("chunk", [1, 4, 7, 100])
 def test_head_argmax_equals_argmax_of_full_logits(chunk):
     h, w, _, _ = problem(2)

@@ -88,7 +88,7 @@ class DataConfig:
             )
 
 
-LABELS = ("tokens", "target")
+LABELS = ("tokens", "target", "distribution")
 
 
 @dataclass
@@ -106,11 +106,13 @@ class OptimConfig:
     grad_clip: float = 1.0
     gamma: float = 7.0  # slot weights exp(-(k-1)/gamma); 7 for b=16, 4 for b=8
     # what a slot learns: "tokens", the data's next token; "target", the target's greedy
-    # next token after the data's prefix (what a greedy verify accepts; differs on sampled data)
+    # next token after the data's prefix (what a greedy verify accepts; differs on sampled
+    # data); "distribution", the target's whole next-token distribution there (soft labels)
     labels: str = "tokens"
     compute_dtype: str = "bfloat16"  # params are float32 masters, cast for the forward
     # draft slots (and, with labels "target", target positions) per chunk of the lm_head +
-    # cross-entropy: the float32 logits alive at once are head_chunk x vocab (kdj/train/head.py)
+    # cross-entropy: the float32 logits alive at once are head_chunk x vocab (kdj/train/head.py;
+    # with labels "distribution" the target's logits of the chunk's slots too)
     head_chunk: int = 8192
     max_minutes: float | None = None  # stop early (then checkpoint + export) after this long
     log_every: int = 20

@@ -16,7 +16,9 @@ kdj/train/head.py runs the lm_head and the cross-entropy a chunk of rows at a ti
 
 The label of slot k is the data's token tok[a_n + k] (labels "tokens"), or the target's own
 greedy choice there, argmax p_target(. | tok[<= a_n + k - 1]) (labels "target"): what a
-greedy verify accepts. They differ where the data was sampled (T > 0).
+greedy verify accepts. They differ where the data was sampled (T > 0). With labels
+"distribution" slot k learns the whole p_target(. | tok[<= a_n + k - 1]) (cross-entropy
+against it: its KL plus the target's entropy), which also ranks the near-misses a tree drafts.
 
 This is exactly what inference computes for a block starting at a_n with the context cache
 filled up to a_n (tests/test_train.py checks it against Drafter.add_context + Drafter.__call__),
@@ -43,6 +45,7 @@ class TargetPass(NamedTuple):
 
     features: jax.Array  # [B, S, K*D]: the OUTPUT of each tapped layer, concatenated
     greedy: jax.Array | None  # [B, S] int32: its argmax next token after each position
+    hidden: jax.Array | None  # [B, S, D]: its final normed states (labels "distribution")
 
 
 def head_weight(target_model) -> jax.Array:
@@ -66,16 +69,17 @@ def _frozen_target(target_graphdef, target_state, tokens, layer_ids):
 
 
 def target_pass(
-    target_graphdef, target_state, tokens, layer_ids, greedy: bool, head_chunk: int
+    target_graphdef, target_state, tokens, layer_ids, labels: str, head_chunk: int
 ) -> TargetPass:
-    """Frozen target pass over tokens [B, S]. Without `greedy` the layers after the last tap
-    are dead code under jit; with it the argmax runs head_chunk rows at a time."""
+    """Frozen target pass over tokens [B, S] for a loss on `labels` (OptimConfig.labels):
+    with "tokens" the layers after the last tap are dead code under jit; with "target" the
+    argmax runs head_chunk rows at a time; "distribution" keeps the final states."""
     h, feats = _frozen_target(target_graphdef, target_state, tokens, layer_ids)
     nxt = None
-    if greedy:
+    if labels == "target":
         w = head_weight(nnx.merge(target_graphdef, target_state))
         nxt = head_argmax(h, w, head_chunk)
-    return TargetPass(feats, nxt)
+    return TargetPass(feats, nxt, h if labels == "distribution" else None)
 
 
 def target_features(target_graphdef, target_state, tokens, layer_ids) -> jax.Array:
@@ -169,6 +173,15 @@ def block_labels(tokens, loss_mask, anchors, anchor_ok, block_size: int, greedy=
     return labels, valid & anchor_ok[:, :, None]
 
 
+def slot_states(hidden, anchors, block_size: int):
+    """The target's states [B, N, b-1, D] that predict slots 1..b-1: slot k's at position
+    a + k - 1 (hidden [B, S, D], anchors [B, N])."""
+    idx = anchors[:, :, None] + jnp.arange(block_size - 1, dtype=jnp.int32)  # [B, N, b-1]
+    B, N, _ = idx.shape
+    rows = jnp.take_along_axis(hidden, idx.reshape(B, -1)[..., None], axis=1)
+    return rows.reshape(*idx.shape, hidden.shape[-1])
+
+
 def block_loss(
     drafter: DFlashDrafter,
     target_model,
@@ -181,17 +194,21 @@ def block_loss(
     greedy=None,
     *,
     head_chunk: int,
+    hidden=None,
 ):
-    """Weighted cross-entropy of the drafter's blocks against the data's tokens, or with
-    greedy [B, S] against the target's argmax (block_labels); the lm_head and the
+    """Weighted cross-entropy of the drafter's blocks against the data's tokens, with
+    greedy [B, S] against the target's argmax (block_labels), or with hidden [B, S, D] (the
+    target's final states) against its whole next-token distribution; the lm_head and the
     cross-entropy run head_chunk slots at a time (kdj/train/head.py). Returns (loss, metrics)
     where metrics hold `acc` (slot-1 accuracy) and `tau` (mean accepted drafts + 1 per block
-    under greedy verification against those labels: the acceptance length the block would
-    get)."""
+    under greedy verification against those labels, or the target's argmax: the acceptance
+    length the block would get)."""
     b = drafter.cfg.block_size
     head = head_weight(target_model)
     h = drafter_blocks(drafter, target_model.embed[...], feats, tokens, anchors)
     labels, valid = block_labels(tokens, loss_mask, anchors, anchor_ok, b, greedy)
+    if hidden is not None:
+        labels = slot_states(hidden, anchors, b).astype(head.dtype)
     w = jnp.asarray(slot_weights(b, gamma)) * valid
     out = head_cross_entropy(h[:, :, 1:].astype(head.dtype), head, labels, w, head_chunk)
     loss = out.loss_sum / jnp.maximum(jnp.sum(w), 1e-6)

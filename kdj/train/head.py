@@ -8,11 +8,13 @@ chunk's logits [chunk, V] are made, reduced to a few numbers per row and dropped
     head_cross_entropy   sum_r w_r CE_r and the argmax hits per row. Differentiated, it also
                          makes the gradient w.r.t. the rows' hidden states in the SAME pass:
                          the loss is linear in each row's CE, so its gradient
-                         w_r (softmax_r - onehot(label_r)) @ W^T is known in the forward and
-                         kept ([rows, D], small) instead of the logits; the backward only
-                         scales it by the incoming cotangent. Two matmuls per row in all (the
-                         logits and the input gradient), as the unchunked autodiff does,
-                         and no recompute.
+                         w_r (softmax_r - p_r) @ W^T is known in the forward and kept
+                         ([rows, D], small) instead of the logits; the backward only scales it
+                         by the incoming cotangent. Two matmuls per row in all (the logits and
+                         the input gradient), as the unchunked autodiff does, and no
+                         recompute. The label distribution p_r is onehot(label_r), or, given
+                         the target's own hidden state per row, its softmax(h_t @ W): the
+                         target's whole next-token distribution (a third matmul per row).
     head_argmax          each row's argmax token (the target's greedy labels).
 
 The head W [D, V] is the frozen target's: it gets no gradient (stop_gradient on entry).
@@ -52,21 +54,30 @@ def _logits(h, w):
 
 
 def _scan(h, w, labels, weights, chunk: int, grad: bool):
-    """(loss_sum, hit [R], dh [R, D] or None) over chunks of the rows h [R, D]."""
+    """(loss_sum, hit [R], dh [R, D] or None) over chunks of the rows h [R, D]; labels [R]
+    token ids, or [R, D] the target's hidden states (soft labels)."""
     R, D = h.shape
     n, c = chunk_layout(R, chunk)
+    soft = labels.ndim == 2
 
     def one(xs):
         hc, lc, wc = xs
-        logits = _logits(hc, w)  # [c, V] float32: the only vocabulary-wide array
+        logits = _logits(hc, w)  # [c, V] float32 (and the target's, with soft labels)
         logz = jax.nn.logsumexp(logits, axis=-1)
-        gold = jnp.take_along_axis(logits, lc[:, None], axis=-1)[:, 0]
-        hit = jnp.argmax(logits, axis=-1) == lc
+        if soft:  # CE against the target's distribution: KL to it plus its (constant) entropy
+            t_logits = _logits(lc, w)
+            p = jax.nn.softmax(t_logits, axis=-1)
+            gold = jnp.sum(p * logits, axis=-1)
+            hit = jnp.argmax(logits, axis=-1) == jnp.argmax(t_logits, axis=-1)
+        else:
+            gold = jnp.take_along_axis(logits, lc[:, None], axis=-1)[:, 0]
+            hit = jnp.argmax(logits, axis=-1) == lc
         loss = jnp.sum(wc * (logz - gold))
         if not grad:
             return loss, hit
-        onehot = jnp.arange(w.shape[1], dtype=lc.dtype) == lc[:, None]
-        dlogits = wc[:, None] * (jnp.exp(logits - logz[:, None]) - onehot)
+        if not soft:
+            p = jnp.arange(w.shape[1], dtype=lc.dtype) == lc[:, None]
+        dlogits = wc[:, None] * (jnp.exp(logits - logz[:, None]) - p)
         dh = jnp.einsum("rv,dv->rd", dlogits.astype(hc.dtype), w,
                         preferred_element_type=jnp.float32)  # fmt: skip
         return loss, hit, dh.astype(hc.dtype)
@@ -98,16 +109,24 @@ _head_ce.defvjp(_head_ce_fwd, _head_ce_bwd)
 def head_cross_entropy(h, head, labels, weights, chunk: int) -> HeadLoss:
     """Weighted cross-entropy of the rows' logits h @ head against labels, chunk rows at a
     time. h [..., D] (its dtype feeds the matmuls; float32 accumulation), head [D, V],
-    labels [...] int32, weights [...] (no gradient). Differentiable w.r.t. h only."""
+    weights [...] (no gradient); labels [...] int32 token ids, or [..., D] the target's own
+    hidden states, whose distribution softmax(labels @ head) each row then learns (hits:
+    the two argmaxes agree). Differentiable w.r.t. h only."""
     D = h.shape[-1]
+    soft = jnp.issubdtype(labels.dtype, jnp.floating)
+    if labels.shape != (h.shape if soft else h.shape[:-1]):
+        kind = "hidden states" if soft else "token ids"
+        raise ValueError(f"labels ({kind}) of shape {labels.shape} do not fit rows {h.shape}")
     out = _head_ce(
         h.reshape(-1, D),
         jax.lax.stop_gradient(head),
-        labels.reshape(-1).astype(jnp.int32),
+        jax.lax.stop_gradient(labels).reshape(-1, D).astype(h.dtype)
+        if soft
+        else labels.reshape(-1).astype(jnp.int32),
         jax.lax.stop_gradient(weights).reshape(-1).astype(jnp.float32),
         chunk,
     )
-    return HeadLoss(out[0], out[1].reshape(labels.shape))
+    return HeadLoss(out[0], out[1].reshape(h.shape[:-1]))
 
 
 def head_argmax(h, head, chunk: int) -> jax.Array:

@@ -174,10 +174,10 @@ def _loss(params, dgraph, tgraph, tstate, batch, cfg: OptimConfig):
     target = nnx.merge(tgraph, tstate)
     low = jax.tree.map(lambda p: p.astype(jnp.dtype(cfg.compute_dtype)), params)  # f32 masters
     drafter = nnx.merge(dgraph, low)
-    ids, greedy = drafter.cfg.target_layer_ids, cfg.labels == "target"
-    tp = target_pass(tgraph, tstate, tokens, ids, greedy, cfg.head_chunk)
+    tp = target_pass(tgraph, tstate, tokens, drafter.cfg.target_layer_ids, cfg.labels,
+                     cfg.head_chunk)  # fmt: skip
     return block_loss(drafter, target, tp.features, tokens, loss_mask, anchors, ok, cfg.gamma,
-                      tp.greedy, head_chunk=cfg.head_chunk)  # fmt: skip
+                      tp.greedy, head_chunk=cfg.head_chunk, hidden=tp.hidden)  # fmt: skip
 
 
 @functools.partial(
