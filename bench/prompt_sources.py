@@ -21,13 +21,10 @@ import sys
 from types import SimpleNamespace
 
 import harness  # bench/ is the script directory
-import jax
-import jax.numpy as jnp
 import numpy as np
-from train_vs_generation import accepted_lengths, chain_steps
+from train_vs_generation import chain_steps, teacher_forced
 
 import kdj
-from kdj.models.transformer import full_sequence
 from kdj.train.evaluate import depth_rates
 from kdj.train.loop import chat_prompts
 
@@ -58,17 +55,6 @@ def source_prompts(target, name: str, n: int, max_tokens: int, seed: int) -> lis
     raise SystemExit(f"unknown source {name!r}; choose from {SOURCES}")
 
 
-def target_confidence(target, prompt, text) -> np.ndarray:
-    """The target's top-1 probability for each response token after the first: position p's
-    next-token distribution, p = len(prompt) .. len(seq) - 2 (what a first draft from anchor p
-    must match)."""
-    seq = list(prompt) + list(text)
-    padded = seq + [0] * (-len(seq) % 128)  # causal: the pad moves nothing; few compiles
-    logits = full_sequence(target.graphdef, target.state, jnp.asarray([padded], jnp.int32))[0]
-    probs = np.asarray(jax.nn.softmax(logits[0].astype(jnp.float32), -1))
-    return probs[len(prompt) : len(seq) - 1].max(-1)
-
-
 def by_confidence(conf: np.ndarray, first_right: np.ndarray) -> list[dict]:
     """Per bin of the target's confidence: the share of positions in it and how often the
     first draft there is right."""
@@ -86,10 +72,11 @@ def measure(target, drafter, prompts, new: int, budget: int, generation: bool = 
     kw = dict(max_new_tokens=new)  # stopping at the end of a turn, as the evaluation does
     ar = kdj.generate(target, prompts, method="ar", **kw)
     b = drafter.cfg.block_size
-    lengths = [accepted_lengths(target, drafter, p, t, b) for p, t in zip(prompts, ar.tokens)]
-    conf = np.concatenate([target_confidence(target, p, t) for p, t in zip(prompts, ar.tokens)])
-    first = np.concatenate([x[:-1] >= 1 for x in lengths])  # the last anchor has no next token
-    assert conf.shape == first.shape  # position p's confidence beside anchor p's first draft
+    forced = [teacher_forced(target, drafter, p, t, b) for p, t in zip(prompts, ar.tokens)]
+    lengths = [x for x, _ in forced]
+    # the last anchor has no next token to draft
+    conf = np.concatenate([c[:-1] for _, c in forced])
+    first = np.concatenate([x[:-1] >= 1 for x in lengths])
     made = [m for x in lengths for m in chain_steps(x)]
     out = {
         "prompts": len(prompts),

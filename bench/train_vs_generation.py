@@ -17,28 +17,35 @@ import json
 import sys
 
 import harness  # bench/ is the script directory
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 import kdj
+from kdj.models.transformer import full_sequence
 from kdj.train.forward import drafter_blocks
 from kdj.train.loop import chat_prompts
 
 
-def accepted_lengths(target, drafter, prompt, text, b: int) -> np.ndarray:
-    """Drafts accepted from each position p of the response (anchor = token p), teacher-forced."""
+def teacher_forced(target, drafter, prompt, text, b: int) -> tuple[np.ndarray, np.ndarray]:
+    """For each position p of the response (anchor = token p), teacher-forced: the drafts
+    accepted from it, and the target's top-1 probability there (its distribution for token
+    p + 1, which the first draft from p must match). One target pass gives both."""
     seq = list(prompt) + list(text)
     # room for the last blocks' labels, in steps of 128 so that prompts share compiled passes
     padded = seq + [0] * (-(-(len(seq) + b) // 128) * 128 - len(seq))
-    feats = kdj.api.hidden_states(target, [padded], drafter.cfg.target_layer_ids)
-    feats = jnp.asarray(feats).reshape(1, len(padded), -1)
+    tokens = jnp.asarray([padded], jnp.int32)
+    logits, taps = full_sequence(target.graphdef, target.state, tokens,
+                                 taps=tuple(drafter.cfg.target_layer_ids))  # fmt: skip
+    feats = jnp.asarray(taps, jnp.float32).reshape(1, len(padded), -1)
     anchors = jnp.arange(len(prompt), len(seq), dtype=jnp.int32)[None]
-    tokens = jnp.asarray([padded])
     h = drafter_blocks(drafter.model, target.model.embed[...], feats, tokens, anchors)
     pred = np.asarray(jnp.argmax(target.model.logits(h[:, :, 1:]), -1))[0]  # [N, b - 1]
     truth = np.array(seq + [-1] * b)
-    return np.array([np.cumprod(pred[i] == truth[a + 1 : a + b]).sum()
-                     for i, a in enumerate(range(len(prompt), len(seq)))])  # fmt: skip
+    lengths = np.array([np.cumprod(pred[i] == truth[a + 1 : a + b]).sum()
+                        for i, a in enumerate(range(len(prompt), len(seq)))])  # fmt: skip
+    probs = jax.nn.softmax(logits[0, len(prompt) : len(seq)].astype(jnp.float32), -1)
+    return lengths, np.asarray(probs.max(-1))
 
 
 def chain_steps(lengths: np.ndarray) -> list[int]:
@@ -80,7 +87,7 @@ def main(argv=None) -> dict:
     ar = kdj.generate(target, prompts, method="ar", **kw)
     gen = kdj.generate(target, prompts, drafter=drafter, method="dflash", **kw)
     b = drafter.cfg.block_size
-    lengths = [accepted_lengths(target, drafter, p, t, b) for p, t in zip(prompts, ar.tokens)]
+    lengths = [teacher_forced(target, drafter, p, t, b)[0] for p, t in zip(prompts, ar.tokens)]
     out = {
         "generation_tau": gen.stats["mean_acceptance"],
         "replayed_chain_tau": float(np.mean([chain_tau(x) for x in lengths])),
