@@ -10,8 +10,13 @@
                                           the whole pool (plain_step; with a drafter, DFlash's
                                           or DDTree's drafted_step, or auto's runs of both),
                                           until `wake` slots finish or `chunk_steps` steps ran
-    retire finished slots, hand out   <-  out / n / done / steps (never the caches)
-    the new tokens
+    retire finished slots, hand out   <-  a Report: each row's new tokens, n / done / steps
+    the new tokens                        (never the caches)
+
+The host runs one chunk behind the device (`lookahead`): it queues chunk k+1 (and any
+admission's prefill before it) and only then reads chunk k's report, so the device works
+through the host's turn instead of waiting for it. A slot that finished in chunk k is seen
+(and refilled) one chunk late; that costs the slot a chunk, not the pool a host turn.
 
 Finished and free slots ride along without advancing (`done`), as in kdj/decode/loop.py.
 Since a step computes every row of its compiled width, the pool runs at the smallest width
@@ -35,6 +40,7 @@ import collections
 import dataclasses
 import itertools
 import math
+import time
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -51,6 +57,7 @@ from kdj.decode.widths import batch_axes, fitting, ladder, resize
 from kdj.handles import Drafter, Target, check_pair
 
 HISTORY = 4096  # chunks whose width the engine remembers (chunk_widths)
+LOOKAHEAD = 1  # chunks queued on the device beyond the one whose report the host waits for
 # prompt tokens per prefill call: one compiled shape for every prompt; long enough that a
 # prompt takes few calls, short enough that padding a short one costs about a verify step
 PREFILL_CHUNK = 256
@@ -114,12 +121,16 @@ class Engine:
     at its own temperature; the pool switches mode when it drains. A request's token at
     position p is sampled with a key from (its seed, p), so its samples do not depend on its
     neighbours; without a seed of its own it gets one from `seed` and its id. The device
-    runs `chunk_steps` steps at most, and returns early once `wake` slots, or the share
+    runs `chunk_steps` steps at most (an int, or one per width: a mapping width -> steps;
+    fewer steps stream tokens sooner, more give the host longer turns), and returns early
+    once `wake` slots, or the share
     `wake_share` of the live ones if more, have finished: 1 serves each finished request at
     once; more keeps finished slots idle a little longer for fewer host turns (serving many
     streams: SERVE_WAKE_SHARE; bulk generation: with wake >= admit_rows, newcomers are
     admitted in whole groups of admit_rows while more wait, so every prefill has one shape). Prompts
-    are prefilled `prefill_chunk` tokens per call. Not thread-safe: one thread drives `step`.
+    are prefilled `prefill_chunk` tokens per call. `lookahead` chunks are queued on the
+    device beyond the one the host reads (0: `step` returns the tokens of the chunk it ran).
+    Not thread-safe: one thread drives `step`.
     widths: the ladder of compiled widths (ascending, ending at max_batch; default powers of
     4 below it); `menu` and `cost` may then be one per width (a mapping width -> value).
     What ran: `width` (now), `chunk_widths` (each recent chunk's width), `resizes`."""
@@ -127,19 +138,22 @@ class Engine:
     def __init__(self, target: Target, max_batch: int, cache_size: int, max_new_cap: int,
                  *, drafter: Drafter | None = None, block_size: int | None = None,
                  menu: tuple[DraftShape, ...] | Mapping[int, tuple[DraftShape, ...]] = (),
-                 cost=None, calibration: float = 1.0, chunk_steps: int = 32, seed: int = 0,
+                 cost=None, calibration: float = 1.0,
+                 chunk_steps: int | Mapping[int, int] = 32, seed: int = 0,
                  widths: tuple[int, ...] | None = None, wake: int = 1,
                  wake_share: float = 0.0, admit_rows: int = 64,
-                 prefill_chunk: int = PREFILL_CHUNK):  # fmt: skip
-        if min(max_batch, max_new_cap, chunk_steps, wake, admit_rows, prefill_chunk) < 1 or \
-                cache_size < 2:  # fmt: skip
-            raise ValueError("max_batch, max_new_cap, chunk_steps, wake, admit_rows, "
-                             "prefill_chunk >= 1 and cache_size >= 2")  # fmt: skip
+                 prefill_chunk: int = PREFILL_CHUNK, lookahead: int = LOOKAHEAD):  # fmt: skip
+        if min(max_batch, max_new_cap, wake, admit_rows, prefill_chunk) < 1 or cache_size < 2:
+            raise ValueError("max_batch, max_new_cap, wake, admit_rows, prefill_chunk >= 1 "
+                             "and cache_size >= 2")  # fmt: skip
         if not 0 <= wake_share <= 1:
             raise ValueError(f"wake_share must be in [0, 1]: {wake_share}")
+        if lookahead not in (0, 1):
+            raise ValueError(f"lookahead must be 0 or 1, got {lookahead}")
         if target.sharding is not None:
             raise ValueError("the serving engine runs on one device (target has a mesh)")
         self.widths = ladder(max_batch, widths)
+        self.bounds = chunk_bounds(chunk_steps, self.widths)
         self.calibration = 1.0
         if drafter is not None:
             if drafter.sharding is not None:
@@ -155,7 +169,7 @@ class Engine:
         self.priors = {w: jnp.zeros((1,), jnp.float32) for w in self.widths}  # auto's, per entry
         if drafter is not None:
             self._drafting_plans(drafter, block_size, menu, cost)
-        self.greedy, self.chunk_steps, self.wake = True, chunk_steps, wake
+        self.greedy, self.wake, self.lookahead = True, wake, lookahead
         self.wake_share = wake_share
         self.admit_rows = admit_rows
         self.C = min(prefill_chunk, cache_size)  # prompt tokens per prefill call
@@ -163,12 +177,15 @@ class Engine:
         self.waiting: collections.deque[Request] = collections.deque()
         self.width = self.widths[0]  # the width the pool runs at now
         self.slots: list[Request | None] = [None] * self.width
-        self.sent = [0] * self.width  # tokens of each slot's request handed out so far
+        self.sent: dict[int, int] = {}  # each running request's tokens handed out so far
+        self.steps: dict[int, int] = {}  # and its steps, as of the last report read
+        self.inflight: collections.deque[InFlight] = collections.deque()
         self.cancelled: set[int] = set()
         self._ids = itertools.count()
         self._axes: dict[int, tuple] = {}  # each width's slot axes (widths.batch_axes)
         self.chunk_widths: collections.deque[int] = collections.deque(maxlen=HISTORY)
         self.resizes = 0
+        self.stats = TurnStats()
         self.pool = self._empty(self.width)
 
     def _drafting_plans(self, drafter, block_size, menu, cost) -> None:
@@ -257,33 +274,54 @@ class Engine:
         """Drop every request (after a failed step); returns the ids dropped."""
         ids = [r.id for r in self.waiting] + [r.id for r in self.slots if r is not None]
         self.waiting.clear()
-        self.slots, self.sent = [None] * self.width, [0] * self.width
+        self.slots = [None] * self.width
+        self.sent.clear()
+        self.steps.clear()
+        self.inflight.clear()
         self.cancelled.clear()
         self.pool = self._empty(self.width)
         return ids
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting) or any(r is not None for r in self.slots)
+        return bool(self.waiting or self.inflight) or any(r is not None for r in self.slots)
 
     # ------------------------------------------------------------------ the host's turn
     def step(self) -> list[Update]:
-        """Retire cancelled slots, admit, run one chunk on the device, hand out new tokens."""
+        """Retire cancelled slots, admit, queue one chunk on the device, and hand out the new
+        tokens of the oldest chunk in flight once more than `lookahead` are (or nothing was
+        left to queue)."""
+        t0 = time.perf_counter()
         updates = self._drop_cancelled()
         self._fit()
         self._admit()
         live = sum(r is not None for r in self.slots)
         if live:
             self.chunk_widths.append(self.width)
-            tg, ts, dg, ds = self._graphs()
             plan = dataclasses.replace(self.plan, greedy=self.greedy)
-            fn = self.target.executables.get(pool.chunk, tg, ts, dg, ds, self.pool,
-                                             jnp.int32(0), jnp.int32(0), options=self._xla,
-                                             plan=plan)  # fmt: skip
+            fn = self._chunk_program(self.pool, self.width, plan)
             wake = max(self.wake, math.ceil(self.wake_share * live))
-            self.pool = fn(ts, ds, self.pool, jnp.int32(self.chunk_steps), jnp.int32(wake))
-            updates += self._collect()
+            _, ts, _, ds = self._graphs()
+            bound = jnp.int32(self.bounds[self.width])
+            self.pool, report = fn(ts, ds, self.pool, bound, jnp.int32(wake))
+            for x in report:  # the copies start now; the host reads them a chunk later
+                x.copy_to_host_async()
+            self.inflight.append(InFlight(report, list(self.slots)))
+            self.stats.chunks += 1
+            self.stats.widths[self.width] = self.stats.widths.get(self.width, 0) + 1
+        if self.inflight and (len(self.inflight) > self.lookahead or not live):
+            updates += self._collect(self.inflight.popleft())
+        self.stats.turns += 1
+        self.stats.turn_s += time.perf_counter() - t0
         return updates
+
+    def _chunk_program(self, pool_: pool.Pool, width: int, plan: Plan):
+        """The compiled chunk of a pool of `width` slots (`pool_`: such a pool)."""
+        tg, ts, dg, ds = self._graphs()
+        window = min(self.N, pool.window(plan, self.bounds[width]))
+        return self.target.executables.get(pool.chunk, tg, ts, dg, ds, pool_, jnp.int32(0),
+                                           jnp.int32(0), options=self._xla, plan=plan,
+                                           width=window)  # fmt: skip
 
     def _drop_cancelled(self) -> list[Update]:
         if not self.cancelled:
@@ -295,9 +333,11 @@ class Engine:
             state = self.pool.state
             done = state.done.at[jnp.asarray(freed)].set(True)
             self.pool = self.pool._replace(state=dataclasses.replace(state, done=done))
-        steps = np.asarray(self.pool.steps)
-        updates = dropped + [Update(self.slots[b].id, [], True, int(steps[b])) for b in freed]
-        for b in freed:
+        updates = dropped
+        for b in freed:  # their steps as of the last report: the device is not waited for
+            rid = self.slots[b].id
+            updates.append(Update(rid, [], True, self.steps.pop(rid, 0)))
+            self.sent.pop(rid, None)
             self.slots[b] = None
         self.cancelled.clear()
         return updates
@@ -329,9 +369,7 @@ class Engine:
             self.resizes += 1
         else:
             self.pool = self._empty(width)
-        pad = [None] * (width - len(live))
-        self.slots = [self.slots[b] for b in live] + pad
-        self.sent = [self.sent[b] for b in live] + [0] * len(pad)
+        self.slots = [self.slots[b] for b in live] + [None] * (width - len(live))
         self.width = width
 
     def _slot_axes(self, width: int) -> tuple:
@@ -367,8 +405,7 @@ class Engine:
         for i, job in enumerate(jobs):
             if job[0] == "chunk":
                 _, w, plan = job
-                get(pool.chunk, tg, ts, dg, ds, empty(w), jnp.int32(0), jnp.int32(0),
-                    options=self._xla, plan=plan)  # fmt: skip
+                self._chunk_program(empty(w), w, plan)
             elif job[0] == "prefill":
                 _, w, plan, a = job
                 new = jax.device_put(pool.blank(a, self.C, w))
@@ -395,6 +432,7 @@ class Engine:
                 take = whole
         for _ in take:
             self.waiting.popleft()
+        self.stats.admitted += len(take)
         for i in range(0, len(take), G):
             self._prefill(take[i : i + G], free[i : i + G])
 
@@ -420,7 +458,8 @@ class Engine:
             seed = r.seed if r.seed is not None else (self.seed * 1_000_003 + r.id) % 2**32
             rows.seeds[i] = seed
             rows.stop[i, : len(r.stop)] = r.stop
-            self.slots[b], self.sent[b] = r, 0
+            self.slots[b] = r
+            self.sent[r.id], self.steps[r.id] = 0, 0
         plan = dataclasses.replace(self.plan, greedy=self.greedy)
         tg, ts, dg, ds = self._graphs()
         for c in range(chunks):
@@ -435,21 +474,55 @@ class Engine:
                                              self.priors[W], options=self._xla,
                                              plan=plan)  # fmt: skip
             self.pool = fn(ts, ds, self.pool, new, self.priors[W])
+            self.stats.prefills += 1
 
-    def _collect(self) -> list[Update]:
-        state = self.pool.state
-        # one transfer per chunk (the whole out buffer: a slice would compile per length)
-        n, done, steps, out = jax.device_get((state.n, state.done, self.pool.steps, state.out))
-        owned = [b for b, r in enumerate(self.slots) if r is not None]
-        updates = []
-        for b in owned:
-            new = out[b, self.sent[b] : n[b]].tolist()
-            self.sent[b] = int(n[b])
+    def _collect(self, flight: InFlight) -> list[Update]:
+        """The updates of a chunk's report; its finished requests leave their slots."""
+        t0 = time.perf_counter()
+        start, tokens, n, done, steps = (np.asarray(x) for x in flight.report)
+        self.stats.wait_s += time.perf_counter() - t0
+        updates, finished = [], set()
+        for b, r in enumerate(flight.rows):
+            if r is None or r.id not in self.sent:  # free, or cancelled since
+                continue
+            sent, end = self.sent[r.id] - start[b], n[b] - start[b]
+            if sent < 0 or end > tokens.shape[1]:
+                raise RuntimeError(f"chunk report of row {b} holds tokens {start[b]}.."
+                                   f"{start[b] + tokens.shape[1]}, not {sent}..{end}")  # fmt: skip
+            new = tokens[b, sent:end].tolist()
+            self.stats.tokens += len(new)
+            self.sent[r.id], self.steps[r.id] = int(n[b]), int(steps[b])
             if new or done[b]:
-                updates.append(Update(self.slots[b].id, new, bool(done[b]), int(steps[b])))
+                updates.append(Update(r.id, new, bool(done[b]), int(steps[b])))
             if done[b]:
-                self.slots[b] = None
+                finished.add(r.id)
+                del self.sent[r.id], self.steps[r.id]
+        if finished:  # their rows, wherever a resize has moved them since
+            self.slots = [None if r is not None and r.id in finished else r for r in self.slots]
         return updates
+
+
+@dataclasses.dataclass
+class TurnStats:
+    """Where the host's turns went, cumulative (a server reports them; a benchmark takes the
+    difference over a run): `wait_s` of `turn_s` was spent blocked on a chunk's report, the
+    rest was the host's own work (admission, resizes, dispatch, reading reports)."""
+
+    turns: int = 0
+    turn_s: float = 0.0
+    wait_s: float = 0.0
+    chunks: int = 0
+    prefills: int = 0  # prefill calls (one per admission group and prompt chunk)
+    admitted: int = 0
+    tokens: int = 0  # tokens handed out
+    widths: dict[int, int] = dataclasses.field(default_factory=dict)  # chunks run per width
+
+
+class InFlight(NamedTuple):
+    """A dispatched chunk: its report and the request each of its rows held."""
+
+    report: pool.Report
+    rows: list[Request | None]
 
 
 class Streamed(NamedTuple):
@@ -457,6 +530,19 @@ class Streamed(NamedTuple):
 
     tokens: list[list[int]]  # generated tokens, ending at the first stop token or the budget
     steps: list[int]  # the pool's steps each took (plain decoding: tokens - 1)
+
+
+def chunk_bounds(chunk_steps: int | Mapping[int, int], widths: tuple[int, ...]) -> dict[int, int]:
+    """Steps per chunk at each width: one for all, or one per width."""
+    bounds = chunk_steps if isinstance(chunk_steps, Mapping) else dict.fromkeys(widths, chunk_steps)
+    if set(bounds) != set(widths):
+        raise ValueError(f"chunk_steps needs one entry per width {list(widths)}, got "
+                         f"{sorted(bounds)}")  # fmt: skip
+    bad = {w: s for w, s in bounds.items() if isinstance(s, bool) or not isinstance(s, int)
+           or s < 1}  # fmt: skip
+    if bad:
+        raise ValueError(f"chunk_steps must be integers >= 1, got {bad}")
+    return dict(bounds)
 
 
 def generate_stream(target: Target, prompts: list[list[int]], max_batch: int, max_new: list[int],

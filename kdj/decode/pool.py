@@ -10,7 +10,8 @@
     chunk   the loop's own body (loop.body: plain_step, drafted_step, or auto's runs of
             plain and drafted steps) over the whole pool, until `wake` running slots have
             finished (serving: 1; data generation: a share of the pool), all are done, or a
-            bound of steps
+            bound of steps; beside the pool (donated to the next program) it returns a
+            `Report`: what the host reads of it, in buffers of their own
 
 `Pool` carries, beside the DecodeState, each slot's steps since admission: a request's tokens
 per step, (tokens - 1) / steps (the first token comes from prefill). method="auto" keeps its
@@ -66,12 +67,33 @@ def empty(target, drafter, plan: Plan, B: int, S: int, calibration=1.0, prior=No
     return Pool(state, zeros())
 
 
-@functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "plan"), donate_argnames=("pool",))
-def chunk(tgraph, tstate, dgraph, dstate, pool: Pool, bound, wake, *, plan: Plan) -> Pool:
+class Report(NamedTuple):
+    """What the host reads after a chunk: buffers of their own, so the pool can be donated to
+    the next program before the host has read them (the host runs a chunk behind)."""
+
+    start: jax.Array  # [B] int32 the position of tokens[:, 0] in each row's output
+    tokens: jax.Array  # [B, window] int32 the row's output from `start` on
+    n: jax.Array  # [B] int32 tokens each row has emitted
+    done: jax.Array  # [B] bool
+    steps: jax.Array  # [B] int32 steps each row's request took while running
+
+
+def window(plan: Plan, bound: int) -> int:
+    """Tokens a row can emit in one chunk of `bound` steps, and the first (from prefill)."""
+    return 1 + bound * max(plan.block_size, 1)
+
+
+@functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "plan", "width"),
+                   donate_argnames=("pool",))  # fmt: skip
+def chunk(tgraph, tstate, dgraph, dstate, pool: Pool, bound, wake, *, plan: Plan,
+          width: int) -> tuple[Pool, Report]:  # fmt: skip
     """The loop's body over the pool until `wake` running slots have finished, all are done,
     or `bound` steps ran. Each slot counts the steps it was running for: the body's own
     inner loops (auto's runs) also stop when any slot finishes, so a body call's steps are
-    either all before or all after a slot's last."""
+    either all before or all after a slot's last. The report's window of `width` tokens
+    starts where the row stood at entry (at 0 for a row admitted since its last chunk, whose
+    first token came from prefill): it holds every token the chunk emitted if `bound` steps
+    fit it (`window`)."""
     target = nnx.merge(tgraph, tstate)
     drafter = None if dgraph is None else nnx.merge(dgraph, dstate)
     entry = pool.state
@@ -91,7 +113,10 @@ def chunk(tgraph, tstate, dgraph, dstate, pool: Pool, bound, wake, *, plan: Plan
         return t, ran + jnp.where(s.active, t.step - s.step, 0)
 
     state, steps = jax.lax.while_loop(lambda c: going(c[0]), counted, (entry, pool.steps))
-    return Pool(state, steps)
+    start = jnp.where(pool.steps == 0, 0, entry.n)
+    at = jnp.minimum(start[:, None] + jnp.arange(width), state.out.shape[1] - 1)
+    tokens = jnp.take_along_axis(state.out, at, axis=1)
+    return Pool(state, steps), Report(start, tokens, state.n, state.done, steps)
 
 
 class Admission(NamedTuple):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -23,6 +24,24 @@ from kdj.serve.text import Parsed, Served, TextStream, parse
 from kdj.serve.worker import Overloaded, Ticket, Worker
 
 POLL_S = 0.5  # how often a non-streaming handler checks that its client is still there
+LAG_PROBE_S = 0.01  # how often the event loop's lag is sampled (GET /stats)
+
+
+class LoopLag:
+    """How late the event loop runs a callback due now: a busy loop delays every stream's
+    tokens and every admission by that much. Cumulative, like the engine's TurnStats."""
+
+    def __init__(self):
+        self.samples, self.total_s, self.max_s = 0, 0.0, 0.0
+
+    async def probe(self) -> None:
+        while True:
+            t0 = time.perf_counter()
+            await asyncio.sleep(LAG_PROBE_S)
+            lag = time.perf_counter() - t0 - LAG_PROBE_S
+            self.samples += 1
+            self.total_s += lag
+            self.max_s = max(self.max_s, lag)
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -30,10 +49,14 @@ def error(status: int, message: str, kind: str = "invalid_request_error") -> JSO
 
 
 def build_app(worker: Worker, served: Served) -> FastAPI:
+    lag = LoopLag()
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         worker.start()
+        probe = asyncio.create_task(lag.probe())
         yield
+        probe.cancel()
         worker.stop()  # after uvicorn's graceful shutdown: cancels what is still running
 
     app = FastAPI(title="kdj", lifespan=lifespan)
@@ -44,6 +67,14 @@ def build_app(worker: Worker, served: Served) -> FastAPI:
         return {"status": "ok", "in_flight": worker.in_flight, "slots": engine.B,
                 "width": engine.width, "resizes": engine.resizes,
                 "cancelled": worker.cancelled}  # fmt: skip
+
+    @app.get("/stats")
+    async def stats():
+        """Cumulative counters of the host's time (a benchmark differences two reads)."""
+        engine = worker.engine
+        lagged = {"samples": lag.samples, "total_s": lag.total_s, "max_s": lag.max_s}
+        return {"method": engine.method, "engine": dataclasses.asdict(engine.stats),
+                "worker": dataclasses.asdict(worker.stats), "loop_lag": lagged}  # fmt: skip
 
     @app.get("/v1/models")
     async def models():

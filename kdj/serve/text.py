@@ -100,21 +100,48 @@ def parse(body: Any, served: Served, chat: bool) -> Parsed:
 
 class TextStream:
     """Tokens in, text deltas out: end-of-turn ids left out, stop strings cut, and text that
-    may still become a stop string or an incomplete UTF-8 character held back."""
+    may still become a stop string or an incomplete UTF-8 character held back.
+
+    Decoding is incremental: each feed decodes only the ids since the last complete text,
+    after a few ids of context (a tokenizer's decoder may treat a leading token specially),
+    so a long reply costs O(its tokens), not O(tokens^2)."""
+
+    CONTEXT = 4  # ids decoded again before the new ones
 
     def __init__(self, served: Served, stops: tuple[str, ...]):
         self.served, self.stops = served, stops
         self.tokens: list[int] = []
+        self.ids: list[int] = []  # the tokens without end-of-turn ids
+        self.done = 0  # ids[:done] decode to `text` completely
+        self.text = ""
         self.sent = ""
         self.stopped = False  # a stop string or an end-of-turn id ended the text
 
+    def _decoded(self) -> str:
+        """The text of all ids; `text` / `done` advance when it ends in a whole character."""
+        decode = self.served.tokenizer.decode
+        ctx = max(0, self.done - self.CONTEXT)
+        head = decode(self.ids[ctx : self.done])
+        window = decode(self.ids[ctx:])
+        if not window.startswith(head):  # the context decodes differently: start over
+            full = decode(self.ids)
+        else:
+            full = self.text + window[len(head) :]
+        if not full.endswith("\ufffd"):
+            self.text, self.done = full, len(self.ids)
+        return full
+
     def feed(self, tokens: list[int], final: bool) -> str:
         self.tokens += tokens
-        if any(t in self.served.stop_ids for t in tokens):
+        stop_ids = self.served.stop_ids
+        if any(t in stop_ids for t in tokens):
             self.stopped = True
-        ids = [t for t in self.tokens if t not in self.served.stop_ids]
-        text = self.served.tokenizer.decode(ids)
-        cuts = [text.find(s) for s in self.stops if s in text]
+        self.ids += [t for t in tokens if t not in stop_ids]
+        text = self._decoded()
+        # an earlier text held no stop string: only a match reaching past it is new
+        cuts = [
+            i for s in self.stops if (i := text.find(s, max(0, len(self.sent) - len(s) + 1))) >= 0
+        ]
         if cuts:
             text, self.stopped, final = text[: min(cuts)], True, True
         if not final:

@@ -1,17 +1,25 @@
 """The engine's device loop in one worker thread, bridged to asyncio.
 
 The HTTP handlers (event loop) put requests and cancellations into a thread-safe inbox; the
-worker takes them in between engine steps and hands each request's updates back to its
-asyncio queue with `call_soon_threadsafe`. A step that raises fails the requests in the
-pool (their clients get the error), resets the pool and keeps serving.
+worker takes them in between engine steps and hands a turn's updates back to their asyncio
+queues in one `call_soon_threadsafe` per event loop (one wake-up of the loop per turn, not
+one per stream). A step that raises fails the requests in the pool (their clients get the
+error), resets the pool and keeps serving.
+
+The worker and the event loop share the GIL: the worker needs it only briefly per turn, but
+each time it waits for it up to the interpreter's switch interval (5 ms by default) while
+the loop runs handlers. `switch_interval_s` shortens that wait while the worker runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import queue
+import sys
 import threading
+import time
 
 from kdj.decode.engine import Engine, Request, Update
 
@@ -32,9 +40,27 @@ class Ticket:
         self.loop.call_soon_threadsafe(self.updates.put_nowait, item)
 
 
+def _hand_out(batch: list) -> None:
+    """On the event loop: a turn's (ticket, item) pairs into their tickets' queues."""
+    for ticket, item in batch:
+        ticket.updates.put_nowait(item)
+
+
+@dataclasses.dataclass
+class WorkerStats:
+    """The worker thread's time, cumulative: idle (no request anywhere), delivering updates."""
+
+    idle_s: float = 0.0
+    deliver_s: float = 0.0
+    updates: int = 0
+
+
 class Worker:
-    def __init__(self, engine: Engine, max_queue: int):
+    def __init__(self, engine: Engine, max_queue: int, switch_interval_s: float = 0.001):
         self.engine, self.max_queue = engine, max_queue
+        self.switch_interval_s = switch_interval_s
+        self._switch_before = sys.getswitchinterval()
+        self.stats = WorkerStats()
         self.inbox: queue.Queue = queue.Queue()
         self.tickets: dict[int, Ticket] = {}
         self.in_flight = 0  # submitted and not yet finished (read by the event loop)
@@ -45,6 +71,7 @@ class Worker:
         self._thread = threading.Thread(target=self._run, name="kdj-engine", daemon=True)
 
     def start(self) -> None:
+        sys.setswitchinterval(self.switch_interval_s)
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -52,6 +79,7 @@ class Worker:
         self._stop.set()
         self.inbox.put(None)
         self._thread.join(timeout)
+        sys.setswitchinterval(self._switch_before)
 
     def submit(self, request: Request) -> Ticket:
         """Queue a request (ValueError: it does not fit the engine; Overloaded: queue full)."""
@@ -74,7 +102,11 @@ class Worker:
     # ------------------------------------------------------------------ worker thread
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._take(block=not self.engine.busy)
+            idle = not self.engine.busy
+            t0 = time.perf_counter()
+            self._take(block=idle)
+            if idle:
+                self.stats.idle_s += time.perf_counter() - t0
             if self._stop.is_set():
                 break
             if self.engine.busy:
@@ -83,8 +115,10 @@ class Worker:
                 except Exception as e:  # one failed step must not end the server
                     self._fail(self.engine.reset(), RuntimeError(f"engine step failed: {e}"))
                     continue
-                for u in updates:
-                    self._deliver(u)
+                t0 = time.perf_counter()
+                self._deliver(updates)
+                self.stats.deliver_s += time.perf_counter() - t0
+                self.stats.updates += len(updates)
         ended = RuntimeError("cancelled: the server is shutting down")
         self._fail(list(self.tickets), ended)
         while not self.inbox.empty():  # submitted after the last turn: never started
@@ -111,16 +145,20 @@ class Worker:
             except queue.Empty:
                 return
 
-    def _deliver(self, u: Update) -> None:
-        ticket = self.tickets.get(u.id)
-        if ticket is None:
-            return
-        ticket.send(u)
-        if u.finished:
-            if u.id in self._cancelling:
-                self._cancelling.discard(u.id)
-                self.cancelled += 1
-            self._finish(u.id)
+    def _deliver(self, updates: list[Update]) -> None:
+        batches = collections.defaultdict(list)  # per event loop (one, for a server)
+        for u in updates:
+            ticket = self.tickets.get(u.id)
+            if ticket is None:
+                continue
+            batches[ticket.loop].append((ticket, u))
+            if u.finished:
+                if u.id in self._cancelling:
+                    self._cancelling.discard(u.id)
+                    self.cancelled += 1
+                self._finish(u.id)
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_hand_out, batch)
 
     def _finish(self, rid: int) -> None:
         del self.tickets[rid]
