@@ -364,10 +364,10 @@ def test_run_yaml_decode_typo_is_refused_before_loading(tmp_path, monkeypatch):
 def test_shipped_run_yamls_pass_the_check():
     from pathlib import Path
 
-    from kdj.cli import _run_config
+    from kdj.cli.runs import load_run
 
     for path in sorted(Path("configs/runs").glob("*.yaml")):
-        _run_config(str(path))
+        load_run(str(path))
 
 
 def test_empty_menu(target, drafter):
