@@ -9,8 +9,12 @@ abstract target.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
+import logging
 import shutil
+import sys
 from pathlib import Path
 
 import jax
@@ -82,6 +86,8 @@ def restore(path: str | Path, dtype=None, mesh=None, rules=None):
         cfg = ModelConfig.from_dict(meta["config"])
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"corrupt {path / CONFIG_NAME}: {e}") from None
+    except ValueError as e:  # a model kdj does not run
+        raise ValueError(f"{path / CONFIG_NAME}: {e}") from None
     if not (path / "params").exists():
         raise FileNotFoundError(f"{path} has no params/ checkpoint")
     fmt = meta.get("format", 1)
@@ -103,12 +109,32 @@ def restore(path: str | Path, dtype=None, mesh=None, rules=None):
         return var.replace(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding))
 
     abstract = jax.tree.map(target, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    try:
-        with ocp.StandardCheckpointer() as ckptr:
-            state = ckptr.restore(path / "params", abstract)
-    except Exception as e:  # TensorStore/Orbax raise many kinds, each with a long dump
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        first = first.split(" See full")[0][:160]  # drop the pointer to TensorStore's dump
-        raise ValueError(f"{path / 'params'}: cannot read the converted weights ({first}); "
-                         "the files are damaged: run kdj convert again") from None  # fmt: skip
+    failure = None
+    with _quiet():
+        try:
+            with ocp.StandardCheckpointer() as ckptr:
+                state = ckptr.restore(path / "params", abstract)
+        except Exception as e:  # TensorStore/Orbax raise many kinds, each with a long dump
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            failure = first.split(" See full")[0][:160]  # drop the pointer to TensorStore's dump
+    if failure is not None:
+        raise ValueError(f"{path / 'params'}: cannot read the converted weights ({failure}); "
+                         "the files are damaged: run kdj convert again")  # fmt: skip
     return nnx.merge(graphdef, state)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Orbax reports damaged files once per array, in absl log lines and in an "Exception
+    ignored" dump of every abandoned read (thousands of lines for a real model): restore
+    raises one clear error instead, so both are silenced while it runs."""
+    hook, absl = sys.unraisablehook, logging.getLogger("absl")
+    level = absl.level
+    sys.unraisablehook = lambda unraisable: None
+    absl.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        gc.collect()  # the abandoned reads are finalised here, while the hook is quiet
+        sys.unraisablehook = hook
+        absl.setLevel(level)
