@@ -2,37 +2,69 @@
 
 from __future__ import annotations
 
-from kdj.cli.runs import DEFAULTS, dtype_name, load_run
+import argparse
+
+from kdj.cli import values
+from kdj.cli.runs import DEFAULTS, METHOD_FIELDS, dtype_name, load_run, switch_method
+from kdj.cli.status import Status
+
+SAMPLE = "What is the capital of Australia?"
+# generate's parameters as this command's flags, for messages raised by the Python API
+FLAGS = {"kdj.load_drafter": "--drafter", "kdj.load_target": "--target",
+         "max_new_tokens": "--max-new-tokens", "top_p": "--top-p", **METHOD_FIELDS}  # fmt: skip
+
+
+def settle(args) -> dict:
+    """The run: the YAML's fields, the flags' over them, every value and their combination
+    checked (ValueError) before any model loads."""
+    from kdj import arguments
+
+    run = load_run(args.config)
+    given = {key: getattr(args, key) for key in ("drafter", *METHOD_FIELDS)}
+    if args.method is not None:
+        switch_method(run, args.method, given)
+    for key in ("target", "drafter", "dtype", "chat"):
+        if getattr(args, key) is not None:
+            run[key] = getattr(args, key)
+    dec = run["decode"]
+    for key in ("max_new_tokens", "temperature", "top_p", "seed", "deterministic", *METHOD_FIELDS):
+        if getattr(args, key) is not None:
+            dec[key] = getattr(args, key)
+    plain = dec["method"] == "ar" or (dec["method"] == "auto" and not run["drafter"])
+    if plain and args.drafter is not None:
+        raise ValueError(f"--drafter is not used by method {dec['method']!r} without drafting: "
+                         "leave it out, or choose --method dflash, ddtree or auto")  # fmt: skip
+    if plain:
+        run["drafter"] = None  # not loaded: plain decoding never reads it
+    arguments.method(dec["method"], bool(run["drafter"]), block_size=dec["block_size"],
+                     tree_budget=dec["tree_budget"])  # fmt: skip
+    prompts = args.prompt or [SAMPLE]
+    if not run["chat"] and "" in prompts:
+        raise ValueError(f"--prompt {prompts.index('')} is empty (with --no-chat nothing is "
+                         "added to it): give some text")  # fmt: skip
+    return run
 
 
 def cmd_generate(args) -> int:
     import kdj
 
-    run = load_run(args.config)
-    for key in ("target", "drafter", "dtype"):
-        if getattr(args, key) is not None:
-            run[key] = getattr(args, key)
-    if args.no_chat:
-        run["chat"] = False
+    run = settle(args)
     dec = run["decode"]
-    keys = ("method", "max_new_tokens", "temperature", "top_p", "seed", "block_size", "tree_budget")
-    for key in keys:
-        if getattr(args, key) is not None:
-            dec[key] = getattr(args, key)
-    if args.deterministic:
-        dec["deterministic"] = True
     target = kdj.load_target(run["target"], dtype=dtype_name(run["dtype"]))
     drafter = kdj.load_drafter(run["drafter"], target=target) if run["drafter"] else None
     tok = target.tokenizer
-    prompts = args.prompt or ["What is the capital of Australia?"]
+    prompts = args.prompt or [SAMPLE]
     if run["chat"]:
         if tok is None:
-            raise SystemExit("--chat needs a tokenizer; this target has none (use --no-chat)")
+            raise ValueError("the chat template needs a tokenizer; this target has none (pass "
+                             "--no-chat and token text the model reads raw)")  # fmt: skip
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    out = kdj.generate(target, prompts, drafter=drafter, **dec)
+    with Status("kdj generate: compiling (first call of a shape: tens of seconds) and decoding"):
+        out = kdj.generate(target, prompts, drafter=drafter, **dec)
     for i, text in enumerate(out.texts or [str(t) for t in out.tokens]):
-        print(f"--- [{i}] {args.prompt[i] if args.prompt else 'What is the capital of Australia?'}")
+        print(f"--- [{i}] {(args.prompt or [SAMPLE])[i]}")
         print(text)
+        print(f"--- [{i}] finish: {out.finish_reasons[i]}, {len(out.tokens[i])} tokens")
     s = out.stats
     if s["method"] != "ar":
         hist = " ".join(f"{k + 1}:{n}" for k, n in enumerate(s["acceptance_histogram"]) if n)
@@ -71,16 +103,17 @@ def add_parsers(sub) -> None:
     )
     g.add_argument(
         "--block-size",
-        type=int,
+        type=values.integer(2),
         help=f"run the drafter at a smaller block ({run} the drafter's own)",
     )
     g.add_argument(
         "--tree-budget",
-        type=int,
+        type=values.POSITIVE,
         help=f"DDTree: draft-tree nodes per step ({run} 64 with --method ddtree)",
     )
     g.add_argument(
         "--dtype",
+        choices=values.DTYPES,
         help=f"float32 | bfloat16 | auto ({run} auto: float32 on CPU, bfloat16 on GPU/TPU)",
     )
     g.add_argument(
@@ -88,16 +121,18 @@ def add_parsers(sub) -> None:
         choices=["ar", "dflash", "ddtree", "auto"],
         help=f"decoding method ({run} auto: per step, with a drafter)",
     )
-    g.add_argument("--max-new-tokens", type=int, help=f"tokens to generate per prompt ({run} 128)")
-    g.add_argument("--temperature", type=float, help=f"sampling temperature, 0 = greedy ({run} 0)")
-    g.add_argument("--top-p", type=float, help=f"nucleus sampling mass in (0, 1] ({run} 1)")
-    g.add_argument("--seed", type=int, help=f"sampling seed ({run} 0)")
-    g.add_argument("--deterministic", action="store_true",
+    g.add_argument(
+        "--max-new-tokens", type=values.POSITIVE, help=f"tokens to generate per prompt ({run} 128)"
+    )
+    g.add_argument(
+        "--temperature", type=values.TEMPERATURE, help=f"sampling temperature, 0 = greedy ({run} 0)"
+    )
+    g.add_argument("--top-p", type=values.TOP_P, help=f"nucleus sampling mass in (0, 1] ({run} 1)")
+    g.add_argument("--seed", type=values.SEED, help=f"sampling seed ({run} 0)")
+    g.add_argument("--deterministic", action=argparse.BooleanOptionalAction,
                    help="output independent of method, drafter and batch (kernels chosen per "
                         f"row; {run} false)")  # fmt: skip
-    g.add_argument(
-        "--no-chat",
-        action="store_true",
-        help="feed prompts raw, no chat template (default: the chat template)",
-    )
-    g.set_defaults(fn=cmd_generate)
+    g.add_argument("--chat", action=argparse.BooleanOptionalAction,
+                   help=f"apply the chat template to each prompt; --no-chat feeds it raw ({run} "
+                   "true)")  # fmt: skip
+    g.set_defaults(fn=cmd_generate, flags=FLAGS)

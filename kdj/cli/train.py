@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kdj.cli import values
+from kdj.cli.extras import needs
 from kdj.cli.runs import dtype_name
 
 
 def cmd_train_drafter(args) -> int:
-    from kdj.train.config import TrainConfig
-    from kdj.train.loop import run_training
-    from kdj.train.online import run_online
+    with needs("train"):
+        from kdj.train.config import TrainConfig
+        from kdj.train.loop import run_training
+        from kdj.train.online import run_online
 
     cfg = TrainConfig.from_yaml(args.config)
     for key in ("target", "out_dir"):
@@ -31,18 +34,24 @@ def cmd_train_drafter(args) -> int:
 
 def cmd_eval_acceptance(args) -> int:
     import kdj
-    from kdj.train import evaluate
-    from kdj.train.loop import chat_prompts
+
+    with needs("train"):
+        import matplotlib  # noqa: F401  (the report's plot, written after the runs)
+
+        from kdj.train import evaluate
+        from kdj.train.loop import chat_prompts
 
     named = drafter_labels(args.drafter)
-    target = kdj.load_target(args.target, dtype=dtype_name(args.dtype))
-    drafters = {label: kdj.load_drafter(src, target=target) for label, src in named.items()}
     if args.prompts:  # eval_prompts.json written by train-drafter: no dataset packages needed
         texts = json.loads(open(args.prompts).read())
     else:
         from kdj.train.data import humaneval_prompts, sharegpt_split
 
-        texts = {"sharegpt": [m for _, m in sharegpt_split()[1]], "humaneval": humaneval_prompts()}
+        with needs("train"):
+            texts = {"sharegpt": [m for _, m in sharegpt_split()[1]],
+                     "humaneval": humaneval_prompts()}  # fmt: skip
+    target = kdj.load_target(args.target, dtype=dtype_name(args.dtype))
+    drafters = {label: kdj.load_drafter(src, target=target) for label, src in named.items()}
     n, tok = args.num_prompts, target.tokenizer
     datasets = {name: chat_prompts(tok, texts[name][:n], args.max_prompt_tokens)
                 for name in args.datasets if texts.get(name)}  # fmt: skip
@@ -62,8 +71,7 @@ def cmd_eval_acceptance(args) -> int:
         )  # fmt: skip
         js, png = evaluate.write_report(reports[label], out, meta)
         print(f"{label}: wrote {js} and {png}")
-    if len(reports) > 1:
-        print(evaluate.compare_table(reports))
+    print(evaluate.compare_table(reports))  # tau (speedup over AR): DFlash, each DDTree budget
     return 0
 
 
@@ -103,11 +111,13 @@ def cmd_calibrate(args) -> int:
     import kdj
     from kdj.train import calibrate
     from kdj.train.data import sharegpt_split
-    from kdj.train.loop import chat_prompts
 
+    with needs("train"):
+        from kdj.train.loop import chat_prompts
+
+        held_out = [m for _, m in sharegpt_split()[1]]  # conversations >= 16,000 only
     target = kdj.load_target(args.target, dtype=dtype_name(args.dtype))
     drafter = kdj.load_drafter(args.drafter, target=target)
-    held_out = [m for _, m in sharegpt_split()[1]]  # conversations >= 16,000 only
     prompts = chat_prompts(target.tokenizer, held_out[: args.num_prompts], 512)
     report = calibrate.calibrate(
         target, drafter, prompts, method=args.method, tree_budget=args.tree_budget,
@@ -128,10 +138,10 @@ def add_parsers(sub) -> None:
     keep = "default: the config's"
     t.add_argument("--target", help=f"override the config's target ({keep})")
     t.add_argument("--out-dir", help=f"override the config's out_dir ({keep})")
-    t.add_argument("--steps", type=int, help=f"override optim.steps ({keep})")
+    t.add_argument("--steps", type=values.POSITIVE, help=f"override optim.steps ({keep})")
     t.add_argument(
         "--max-minutes",
-        type=float,
+        type=values.real(0.0, above=True),
         help="stop (checkpoint + export) after this (default: optim.max_minutes)",
     )
     t.add_argument(
@@ -140,7 +150,9 @@ def add_parsers(sub) -> None:
         f'training from ("" for random init; {keep})',
     )
     t.add_argument(
-        "--num-layers", type=int, help=f"override drafter.num_layers (ablations; {keep})"
+        "--num-layers",
+        type=values.POSITIVE,
+        help=f"override drafter.num_layers (ablations; {keep})",
     )
     t.set_defaults(fn=cmd_train_drafter)
     e = sub.add_parser("eval-acceptance", help="tau and speed of DFlash / DDTree vs AR")
@@ -153,26 +165,36 @@ def add_parsers(sub) -> None:
                    "(bf16 default kernels move it between processes); slower")  # fmt: skip
     d = " (default: %(default)s)"
     e.add_argument("--target", default="smollm2-135m-instruct", help="target to evaluate" + d)
-    e.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto" + d)
+    e.add_argument(
+        "--dtype", default="auto", choices=values.DTYPES, help="float32 | bfloat16 | auto" + d
+    )
     e.add_argument("--out", default="out/acceptance", help="folder for the JSON and PNG" + d)
     e.add_argument("--prompts", help="eval_prompts.json (default: read the dataset packages)")
-    e.add_argument("--num-prompts", type=int, default=16, help="prompts per dataset" + d)
     e.add_argument(
-        "--max-prompt-tokens", type=int, default=512, help="longer prompts are cut to this" + d
+        "--num-prompts", type=values.POSITIVE, default=16, help="prompts per dataset" + d
     )
     e.add_argument(
-        "--max-new-tokens", type=int, default=256, help="tokens generated per prompt" + d
+        "--max-prompt-tokens",
+        type=values.POSITIVE,
+        default=512,
+        help="longer prompts are cut to this" + d,
+    )
+    e.add_argument(
+        "--max-new-tokens",
+        type=values.POSITIVE,
+        default=256,
+        help="tokens generated per prompt" + d,
     )
     e.add_argument(
         "--budgets",
-        type=int,
+        type=values.POSITIVE,
         nargs="+",
         default=[16, 32, 64, 128, 256],
         help="DDTree budgets to run" + d,
     )
     e.add_argument(
         "--temperatures",
-        type=float,
+        type=values.TEMPERATURE,
         nargs="+",
         default=[0.0, 1.0],
         help="sampling temperatures to run" + d,
@@ -183,23 +205,29 @@ def add_parsers(sub) -> None:
     k = sub.add_parser("calibrate", help="fit the drafter's forecast temperature (method=auto)")
     k.add_argument("--drafter", required=True, help="DFlash drafter dir or built-in name")
     k.add_argument("--target", default="smollm2-135m-instruct", help="its target" + d)
-    k.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto" + d)
+    k.add_argument(
+        "--dtype", default="auto", choices=values.DTYPES, help="float32 | bfloat16 | auto" + d
+    )
     k.add_argument(
         "--method",
         choices=["dflash", "ddtree"],
         default="ddtree",
         help="method whose steps are forecast" + d,
     )
-    k.add_argument("--tree-budget", type=int, default=16, help="DDTree budget" + d)
+    k.add_argument("--tree-budget", type=values.POSITIVE, default=16, help="DDTree budget" + d)
     k.add_argument(
         "--temperatures",
-        type=float,
+        type=values.real(0.0, above=True),
         nargs="+",
         default=[0.5, 0.7, 1.0, 1.5, 2.0],
         help="candidate forecast temperatures" + d,
     )
-    k.add_argument("--num-prompts", type=int, default=8, help="held-out ShareGPT prompts" + d)
-    k.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt" + d)
+    k.add_argument(
+        "--num-prompts", type=values.POSITIVE, default=8, help="held-out ShareGPT prompts" + d
+    )
+    k.add_argument(
+        "--max-new-tokens", type=values.POSITIVE, default=64, help="tokens generated per prompt" + d
+    )
     k.add_argument(
         "--save",
         action="store_true",
@@ -210,8 +238,10 @@ def add_parsers(sub) -> None:
     u = sub.add_parser("tune", help="time auto's steps on this machine and cache the costs")
     u.add_argument("--drafter", required=True, help="DFlash drafter dir or built-in name")
     u.add_argument("--target", default="smollm2-135m-instruct", help="its target" + d)
-    u.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto" + d)
-    u.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes" + d)
-    u.add_argument("--context", type=int, default=256, help="tokens per sequence" + d)
+    u.add_argument(
+        "--dtype", default="auto", choices=values.DTYPES, help="float32 | bfloat16 | auto" + d
+    )
+    u.add_argument("--batch", type=values.POSITIVE, nargs="+", default=[1], help="batch sizes" + d)
+    u.add_argument("--context", type=values.integer(2), default=256, help="tokens per sequence" + d)
     u.add_argument("--menu", nargs="+", default=None, help="auto's menu (default: its own)")
     u.set_defaults(fn=cmd_tune)
