@@ -4,6 +4,7 @@ checked before anything loads, then merged with the command line's flags."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 DEFAULTS = {
@@ -64,10 +65,15 @@ def check_values(cfg: dict, given: dict, path) -> None:
     from kdj import arguments
 
     def check(name, fn):
+        """fn's error with generate's argument names as the file's fields (decode.seed)."""
         try:
             fn()
         except (TypeError, ValueError) as e:
-            raise ValueError(f"{path}: {name}: {e}") from None
+            message = str(e)
+            for key in DEFAULTS["decode"]:
+                message = re.sub(rf"(?<![\w.]){key}(?!\w)", f"decode.{key}", message)
+            where = "" if "decode." in message or name in message else f"{name}: "
+            raise ValueError(f"{path}: {where}{message}") from None
 
     def boolean(name, value):
         if not isinstance(value, bool):
@@ -107,7 +113,7 @@ def check_values(cfg: dict, given: dict, path) -> None:
     check("decode.max_new_tokens",
           lambda: [arguments.integer(m, "max_new_tokens", 1)
                    for m in per_prompt(dec["max_new_tokens"])])  # fmt: skip
-    check("decode", lambda: arguments.sampling(dec["temperature"], dec["top_p"]))
+    check("decode.temperature", lambda: arguments.sampling(dec["temperature"], dec["top_p"]))
     seeds = per_prompt(dec["seed"])
     check("decode.seed", lambda: arguments.seeds(seeds, len(seeds)))
     if dec["block_size"] is not None:
