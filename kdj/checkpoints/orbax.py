@@ -15,6 +15,8 @@ import json
 import logging
 import shutil
 import sys
+import time
+import types
 from pathlib import Path
 
 import jax
@@ -110,11 +112,12 @@ def restore(path: str | Path, dtype=None, mesh=None, rules=None):
 
     abstract = jax.tree.map(target, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
     failure = None
-    with _quiet():
+    with _quiet() as quiet:
         try:
             with ocp.StandardCheckpointer() as ckptr:
                 state = ckptr.restore(path / "params", abstract)
         except Exception as e:  # TensorStore/Orbax raise many kinds, each with a long dump
+            quiet.failed = True
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             failure = first.split(" See full")[0][:160]  # drop the pointer to TensorStore's dump
     if failure is not None:
@@ -125,16 +128,31 @@ def restore(path: str | Path, dtype=None, mesh=None, rules=None):
 
 @contextlib.contextmanager
 def _quiet():
-    """Orbax reports damaged files once per array, in absl log lines and in an "Exception
-    ignored" dump of every abandoned read (thousands of lines for a real model): restore
-    raises one clear error instead, so both are silenced while it runs."""
-    hook, absl = sys.unraisablehook, logging.getLogger("absl")
-    level = absl.level
-    sys.unraisablehook = lambda unraisable: None
-    absl.setLevel(logging.CRITICAL)
+    """Orbax reports damaged files once per array, in log lines (absl, asyncio's "Task
+    exception was never retrieved") and in an "Exception ignored" dump of every abandoned read
+    (thousands of lines for a real model), some from TensorStore's threads after restore has
+    raised: restore raises one clear error instead, so after a failure all of it stays
+    silenced until those reads have stopped reporting."""
+    hook = sys.unraisablehook
+    loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
+    levels = [log.level for log in loggers]
+    quiet = types.SimpleNamespace(failed=False, swallowed=0)
+
+    def count(unraisable) -> None:
+        quiet.swallowed += 1
+
+    sys.unraisablehook = count
+    for log in loggers:
+        log.setLevel(logging.CRITICAL)
     try:
-        yield
+        yield quiet
     finally:
-        gc.collect()  # the abandoned reads are finalised here, while the hook is quiet
+        gc.collect()
+        seen, deadline = -1, time.monotonic() + 10
+        while quiet.failed and quiet.swallowed != seen and time.monotonic() < deadline:
+            seen = quiet.swallowed
+            time.sleep(0.5)
+            gc.collect()
         sys.unraisablehook = hook
-        absl.setLevel(level)
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)

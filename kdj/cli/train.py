@@ -9,6 +9,9 @@ from kdj.cli import values
 from kdj.cli.extras import needs
 from kdj.cli.runs import dtype_name
 
+# the loading calls as these commands' flags, for messages raised by the Python API
+FLAGS = {"kdj.load_drafter": "--drafter", "kdj.load_target": "--target"}
+
 
 def cmd_train_drafter(args) -> int:
     with needs("train"):
@@ -201,7 +204,7 @@ def add_parsers(sub) -> None:
     )
     e.add_argument("--datasets", nargs="+", choices=["sharegpt", "humaneval"],
                    default=["sharegpt", "humaneval"], help="held-out sets to run" + d)  # fmt: skip
-    e.set_defaults(fn=cmd_eval_acceptance)
+    e.set_defaults(fn=cmd_eval_acceptance, flags=FLAGS)
     k = sub.add_parser("calibrate", help="fit the drafter's forecast temperature (method=auto)")
     k.add_argument("--drafter", required=True, help="DFlash drafter dir or built-in name")
     k.add_argument("--target", default="smollm2-135m-instruct", help="its target" + d)
@@ -233,7 +236,7 @@ def add_parsers(sub) -> None:
         action="store_true",
         help="write calibration.json beside the drafter (default: only print)",
     )
-    k.set_defaults(fn=cmd_calibrate)
+    k.set_defaults(fn=cmd_calibrate, flags=FLAGS)
 
     u = sub.add_parser("tune", help="time auto's steps on this machine and cache the costs")
     u.add_argument("--drafter", required=True, help="DFlash drafter dir or built-in name")
@@ -244,4 +247,4 @@ def add_parsers(sub) -> None:
     u.add_argument("--batch", type=values.POSITIVE, nargs="+", default=[1], help="batch sizes" + d)
     u.add_argument("--context", type=values.integer(2), default=256, help="tokens per sequence" + d)
     u.add_argument("--menu", nargs="+", default=None, help="auto's menu (default: its own)")
-    u.set_defaults(fn=cmd_tune)
+    u.set_defaults(fn=cmd_tune, flags=FLAGS)
