@@ -37,6 +37,12 @@ class GenerateOutput:
     tokens: list[list[int]]  # generated tokens only, cut after the first stop token
     texts: list[str] | None
     stats: dict[str, Any]
+    # why each sequence ended (FINISH_REASONS): "stop" (it emitted one of its stop tokens),
+    # "length" (it used its max_new_tokens), "cache" (its KV cache filled first)
+    finish_reasons: list[str]
+
+
+FINISH_REASONS = ("stop", "length", "cache")
 
 
 class Batch(NamedTuple):
@@ -99,6 +105,10 @@ def generate(
     alone (greedy: the same tokens; stats["request_steps"] and "mean_acceptance" from each
     prompt's own steps).
 
+    Returns a GenerateOutput: tokens and texts per prompt, stats, and finish_reasons, one
+    per prompt: "stop" (it emitted a stop token), "length" (max_new_tokens reached) or
+    "cache" (its KV cache filled first).
+
     Sampling draws the token at position p of a sequence with a key from (its seed, p)
     (kdj/decode/sampling.py): `seed` one int (each row draws its own stream from it; with
     deterministic=True every prompt uses it as its own seed) or one per prompt. With
@@ -112,6 +122,9 @@ def generate(
     temperature, top_p = arguments.sampling(temperature, top_p)
     if arguments.flag(deterministic, "deterministic"):
         target = deterministic_target(target)
+    if tokenizer is not None:
+        arguments.loaded(tokenizer, Tokenizer, "tokenizer", "kdj.load_tokenizer")
+    cost = arguments.cost(cost)
     tokenizer = tokenizer or target.tokenizer
     batch = pack(target, prompts, tokenizer, max_new_tokens, stop_tokens, cache_size)
     if max_batch is not None and batch.B > arguments.integer(max_batch, "max_batch", 1):
@@ -347,7 +360,21 @@ def stream(opts: Options, target, drafter, batch: Batch, max_batch, temperature,
         menus = drafting.get("menu", {max_batch: (DraftShape("none"),)})
         stats["menu"] = [str(s) for s in menus[max_batch]]
         stats["menus"] = {w: [str(s) for s in m] for w, m in menus.items()}
-    return GenerateOutput(tokens=toks, texts=texts, stats=stats)
+    return GenerateOutput(toks, texts, stats, finish_reasons(toks, batch))
+
+
+def finish_reasons(tokens: list[list[int]], batch: Batch) -> list[str]:
+    """Why each sequence ended, from its tokens: its last one is one of its stop ids ("stop"),
+    it has its max_new_tokens ("length"), else its cache ran out of slots first ("cache")."""
+    reasons = []
+    for b, seq in enumerate(tokens):
+        if seq and seq[-1] in batch.stop[b]:  # ids >= 0: the -1 padding never matches
+            reasons.append("stop")
+        elif len(seq) >= batch.max_new[b]:
+            reasons.append("length")
+        else:
+            reasons.append("cache")
+    return reasons
 
 
 def assemble(opts: Options, shapes, batch: Batch, res: Run, tokenizer) -> GenerateOutput:
@@ -366,7 +393,7 @@ def assemble(opts: Options, shapes, batch: Batch, res: Run, tokenizer) -> Genera
         stats["tree_budget_requested"] = opts.requested_tree_budget
         stats["mean_tree_size"] = float(np.mean(sizes)) if sizes else float("nan")
         stats["mean_accepted_depth"] = stats["mean_acceptance"] - 1
-    return GenerateOutput(tokens=toks, texts=texts, stats=stats)
+    return GenerateOutput(toks, texts, stats, finish_reasons(toks, batch))
 
 
 def _as_token_lists(target: Target, prompts, tokenizer: Tokenizer | None) -> list[list[int]]:

@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 
+from kdj.cost import StepCost
+
 METHODS = ("ar", "dflash", "ddtree", "auto")
+COSTS = ("tune", "estimate")  # generate's named cost choices (beside a StepCost or its path)
 # The floating dtypes kdj's models and kernels run in (float64 would silently run as float32
 # with jax's default x64 off; integer weights would be truncated).
 DTYPES = ("float32", "bfloat16")
@@ -83,6 +88,19 @@ def loaded(obj, cls, name: str, loader: str):
     return obj
 
 
+def cost(value):
+    """generate's `cost`: None, "tune", "estimate", a kdj.cost.StepCost or its JSON file."""
+    if value is None or isinstance(value, StepCost) or (isinstance(value, str) and value in COSTS):
+        return value
+    choices = ('"tune" (time this machine\'s steps), "estimate" (from the model\'s shapes), a '
+               "kdj.cost.StepCost or the path of its JSON file")  # fmt: skip
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"cost must be {choices}; got {type(value).__name__}")
+    if not Path(value).is_file():
+        raise ValueError(f"cost {str(value)!r} is not a file: cost is {choices}")
+    return value
+
+
 def method(name, has_drafter: bool, **given) -> str:
     """The method to run ("auto" without a drafter is "ar"); `given` are the method-specific
     arguments the caller passed (None = not given): one that the method does not use raises."""
@@ -119,6 +137,9 @@ def prompts(value) -> list:
     prompt, a 2-D integer array is one prompt per row."""
     if isinstance(value, str):
         return [value]
+    if isinstance(value, (bytes, bytearray)):
+        raise TypeError(f"prompts are bytes ({bytes(value[:20])!r}): decode them to text first "
+                        "(prompts.decode('utf-8'))")  # fmt: skip
     if hasattr(value, "__array__") and not isinstance(value, (list, tuple)):
         value = np.asarray(value)
         if value.ndim != 2:
@@ -133,6 +154,10 @@ def prompts(value) -> list:
         raise TypeError(f"prompts must be a str or a list of prompts, got {type(value).__name__}")
     if not value:
         raise ValueError("no prompts given")
+    for i, p in enumerate(value):
+        if isinstance(p, (bytes, bytearray)):
+            raise TypeError(f"prompt {i} is bytes ({bytes(p[:20])!r}): decode it to text first "
+                            "(p.decode('utf-8'))")  # fmt: skip
     if not any(isinstance(p, str) or _is_ids(p) for p in value):
         example = [list(value)[:8]]
         raise TypeError(

@@ -142,6 +142,11 @@ class ModelConfig:
                 raise NotImplementedError(f"rope scaling type {kind!r} is not supported")
             else:
                 rope = {**rope, "rope_type": kind}
+        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                    "intermediate_size"):  # fmt: skip
+            n = cfg[key]
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"config.json {key} must be a positive integer (got {n!r})")
         eos = cfg.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         common = dict(
@@ -208,8 +213,8 @@ class ModelConfig:
             raise ValueError(f"corrupt config.json {path}: {e}") from None
         if isinstance(cfg, dict) and DRAFTER_ARCHITECTURE in (cfg.get("architectures") or []):
             raise ValueError(
-                f"{path.parent} is a DFlash drafter checkpoint, not a target: load it with "
-                "kdj.load_drafter (kdj generate --drafter)"
+                f"{path.parent} is a DFlash drafter checkpoint, not a target: pass it as the "
+                "drafter (kdj.load_drafter)"
             )
         return ModelConfig.from_hf(cfg)
 
@@ -222,7 +227,17 @@ class ModelConfig:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> ModelConfig:
+        """The inverse of to_dict (a `kdj convert` dir's kdj_config.json): a model type or
+        family kdj does not run raises ValueError, as from_hf does."""
         d = dict(d)
+        mt, family = d.get("model_type"), d.get("family")
+        if mt not in LLAMA_TYPES + DEEPSEEK_TYPES:
+            raise ValueError(f"unknown model_type {mt!r}; kdj supports "
+                             f"{', '.join(LLAMA_TYPES + DEEPSEEK_TYPES)}")  # fmt: skip
+        expected = "llama" if mt in LLAMA_TYPES else "deepseek"
+        if family != expected:
+            raise ValueError(f"family {family!r} does not match model_type {mt!r} (a {mt} model "
+                             f"is family {expected!r})")  # fmt: skip
         d.pop("kernels", None)
         if d.get("rope_scaling"):
             d["rope_scaling"] = tuple(sorted(d["rope_scaling"].items()))
@@ -235,8 +250,14 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"config file not found: {path}")
-    with path.open() as f:
-        data = yaml.safe_load(f) or {}
+    try:
+        with path.open() as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ValueError(f"{path}{where}: not valid YAML ({problem})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping at the top level")
     return data

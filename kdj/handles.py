@@ -83,6 +83,20 @@ class Target:
     def model(self):
         return nnx.merge(self.graphdef, self.state)
 
+    def __repr__(self) -> str:  # the dataclass's would print every weight
+        c = self.cfg
+        shape = [f"layers={c.num_layers}", f"hidden={c.hidden_size}",
+                 f"heads={c.num_heads}", f"vocab={c.vocab_size}"]  # fmt: skip
+        if c.family == "llama":
+            shape[2] += f"/{c.num_kv_heads}kv"
+        if c.n_routed_experts:
+            shape.append(f"experts={c.n_routed_experts} top-{c.num_experts_per_tok}")
+        tok = Path(self.tokenizer.name).name if self.tokenizer is not None else None
+        return (f"Target({self.name!r}, {c.model_type}, {', '.join(shape)}, "
+                f"dtype={_dtype_name(self.dtype)}, params={_params(self.state)}, "
+                f"mesh={_mesh(self.sharding)}, tokenizer={tok!r}, "
+                f"compiled={len(self.executables)})")  # fmt: skip
+
     @staticmethod
     def from_model(model, name="", tokenizer=None, mesh=None, kernels=None) -> Target:
         """Wrap an NNX model; with `mesh` (Sharding, MeshConfig or YAML) shard it first.
@@ -131,6 +145,14 @@ class Drafter:
     def model(self):
         return nnx.merge(self.graphdef, self.state)
 
+    def __repr__(self) -> str:  # the dataclass's would print every weight
+        c, lc = self.cfg, self.cfg.layers
+        dtype = _dtype_name(jax.tree.leaves(self.state)[0].dtype)
+        return (f"Drafter({self.name!r}, layers={lc.num_layers}, hidden={lc.hidden_size}, "
+                f"block_size={c.block_size}, target_layer_ids={list(c.target_layer_ids)}, "
+                f"dtype={dtype}, params={_params(self.state)}, mesh={_mesh(self.sharding)}, "
+                f"calibration={self.calibration:g})")  # fmt: skip
+
     @staticmethod
     def from_model(model, name="", mesh=None) -> Drafter:
         sharding = as_sharding(mesh)
@@ -167,6 +189,24 @@ class Drafter:
                        "realised_acceptance": self.prior_acceptance,
                        "realised_by_entry": self.entry_acceptance}  # fmt: skip
         return save_drafter(self.model, path, calibration=calibration, overwrite=overwrite)
+
+
+def _params(state) -> str:
+    n = sum(int(x.size) for x in jax.tree.leaves(state))
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def _dtype_name(dtype) -> str:
+    return getattr(dtype, "name", None) or str(dtype)
+
+
+def _mesh(sharding: Sharding | None) -> str | None:
+    if sharding is None:
+        return None
+    return " x ".join(f"{axis}={n}" for axis, n in sharding.mesh.shape.items())
 
 
 def check_pair(target: Target, drafter: Drafter, block_size=None) -> int:

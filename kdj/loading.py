@@ -7,7 +7,7 @@ from pathlib import Path
 from flax import nnx
 
 from kdj import arguments
-from kdj.checkpoints.dflash import load_drafter_checkpoint
+from kdj.checkpoints.dflash import load_calibration, load_drafter_checkpoint
 from kdj.checkpoints.gguf import read_gguf, smollm2_gguf_path
 from kdj.checkpoints.hf_safetensors import HFCheckpoint
 from kdj.checkpoints.loader import load_hf, load_params
@@ -16,7 +16,6 @@ from kdj.config import ModelConfig
 from kdj.handles import Drafter, Target, check_pair
 from kdj.sharding.apply import as_sharding, mark_experts
 from kdj.tokenizer import load_tokenizer
-from kdj.train.calibrate import load as load_calibration
 
 BUILTIN_TARGETS = ("smollm2-135m-instruct",)
 # Drafters shipped inside the package (kdj/assets/<name>/, published DFlash format).

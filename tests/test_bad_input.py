@@ -6,8 +6,10 @@ ValueError/TypeError with a message."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import shutil
+import time
 
 import jax
 import numpy as np
@@ -250,16 +252,35 @@ def test_half_written_convert_dir_says_so(converted, tmp_path):
         kdj.load_target(path)
 
 
-def test_corrupt_convert_data_is_one_clear_line(converted, tmp_path):
+def test_corrupt_convert_data_is_one_clear_line(converted, tmp_path, capfd):
     path = copy(converted, tmp_path)
     data = max((p for p in (path / "params").rglob("*") if p.is_file()),
                key=lambda p: p.stat().st_size)  # fmt: skip
     data.write_bytes(data.read_bytes()[:100])
+    capfd.readouterr()
     with pytest.raises(ValueError) as e:
         kdj.load_target(path, dtype="float32")
     msg = str(e.value)
     assert "\n" not in msg and len(msg) < 400, msg
     assert str(path / "params") in msg and "convert" in msg
+    time.sleep(1)  # TensorStore's threads finish the abandoned reads after the raise
+    gc.collect()
+    noise = capfd.readouterr().err  # orbax's per-array dumps (thousands of lines) silenced
+    assert "Exception ignored" not in noise and noise.count("\n") < 5, noise[:2000]
+
+
+@pytest.mark.parametrize(
+    "edit, msg",
+    [({"model_type": "gpt5"}, "unknown model_type 'gpt5'"),
+     ({"family": "gpt"}, "family 'gpt' does not match model_type 'llama'")],
+)  # fmt: skip
+def test_convert_dir_with_an_unknown_model_is_refused(converted, tmp_path, edit, msg):
+    path = copy(converted, tmp_path)
+    meta = json.loads((path / "kdj_config.json").read_text())
+    meta["config"].update(edit)
+    (path / "kdj_config.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=f"kdj_config.json: {msg}"):
+        kdj.load_target(path, dtype="float32")
 
 
 # --------------------------------------------------- 7. default cache within the model limit
@@ -364,10 +385,10 @@ def test_run_yaml_decode_typo_is_refused_before_loading(tmp_path, monkeypatch):
 def test_shipped_run_yamls_pass_the_check():
     from pathlib import Path
 
-    from kdj.cli import _run_config
+    from kdj.cli.runs import load_run
 
     for path in sorted(Path("configs/runs").glob("*.yaml")):
-        _run_config(str(path))
+        load_run(str(path))
 
 
 def test_empty_menu(target, drafter):
@@ -517,3 +538,124 @@ def test_generate_keeps_its_promises_or_says_why(target, drafter, args, corrupt)
     assert corrupt is None, f"{corrupt} was accepted"
     event(f"ran {out.stats['method']}")
     check_outputs(target, drafter, kw, out)
+
+
+# ------------------------------------------------------ issue 47: what a new user meets
+@pytest.mark.parametrize(
+    "edit, msg",
+    [({"model_type": "gpt5"}, "model_type 'gpt5' is not supported.*qwen3"),
+     ({"block_size": 0}, "block_size must be an integer >= 2 .got 0"),
+     ({"block_size": 1.5}, "block_size must be an integer >= 2"),
+     ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer"),
+     ({"hidden_size": "64"}, "hidden_size must be a positive integer"),
+     ({"num_target_layers": 0}, "num_target_layers must be an integer >= 1"),
+     ({"dflash_config": {"mask_token_id": -1, "target_layer_ids": [0, 1]}},
+      "mask_token_id must be an integer >= 0"),
+     ({"dflash_config": {"mask_token_id": 3, "target_layer_ids": []}},
+      "target_layer_ids is empty"),
+     ({"dflash_config": {"mask_token_id": 3, "target_layer_ids": [0, "1"]}},
+      "target_layer_ids entry must be an integer")],
+)  # fmt: skip
+def test_drafter_config_is_checked_at_load(target, drafter, tmp_path, edit, msg):
+    drafter.save(tmp_path / "d")
+    cfg_path = tmp_path / "d" / "config.json"
+    cfg_path.write_text(json.dumps(json.loads(cfg_path.read_text()) | edit))
+    with pytest.raises(ValueError, match=f"{cfg_path}: .*{msg}"):
+        kdj.load_drafter(tmp_path / "d", target=target)
+
+
+def test_corrupt_calibration_file_names_itself(target, drafter, tmp_path):
+    drafter.save(tmp_path / "d")
+    (tmp_path / "d" / "calibration.json").write_text('{"temperature": "warm"}')
+    with pytest.raises(ValueError, match="corrupt .*calibration.json.*kdj calibrate --save"):
+        kdj.load_drafter(tmp_path / "d", target=target)
+
+
+def test_loading_does_not_import_training():
+    import subprocess
+    import sys
+
+    code = ("import sys, kdj; kdj.load_drafter('smollm2-135m-dflash-b16', dtype='float32'); "
+            "print(sorted(m for m in sys.modules if m.startswith('kdj.train')))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_tokenizer_argument_is_a_loaded_tokenizer(target):
+    with pytest.raises(
+        TypeError, match=r"tokenizer must be a kdj.Tokenizer.*load_tokenizer\('gpt2'\)"
+    ):
+        kdj.generate(target, ["w1"], tokenizer="gpt2", method="ar")
+    with pytest.raises(TypeError, match="tokenizer must be a kdj.Tokenizer .*got dict"):
+        kdj.generate(target, ["w1"], tokenizer={"w1": 1}, method="ar")
+
+
+@pytest.mark.parametrize(
+    "cost, error, msg",
+    [("bogus", ValueError, r"cost 'bogus' is not a file: cost is \"tune\".*\"estimate\".*path"),
+     (3, TypeError, r"cost must be \"tune\".*got int")],
+)  # fmt: skip
+def test_cost_names_its_choices(target, drafter, cost, error, msg):
+    with pytest.raises(error, match=msg):
+        kdj.generate(target, [[1, 2]], drafter=drafter, cost=cost)
+
+
+@pytest.mark.parametrize(
+    "prompts, where",
+    [(b"w1 w2", "prompts are bytes"), ([b"w1", "w2"], "prompt 0 is bytes"),
+     (["w1", bytearray(b"w2")], "prompt 1 is bytes")],
+)  # fmt: skip
+def test_bytes_prompts_are_told_to_decode(target, prompts, where):
+    with pytest.raises(TypeError, match=f"{where}.*decode") as e:
+        kdj.generate(target, prompts, method="ar")
+    assert "[119" not in str(e.value)  # never byte values offered as token ids
+
+
+def test_handles_have_short_reprs(target, drafter):
+    t, d = repr(target), repr(drafter)
+    assert "\n" not in t and len(t) < 400, t
+    for part in ("llama", "layers=3", "vocab=12", "dtype=float32", "params=", "mesh=None"):
+        assert part in t, t
+    assert "\n" not in d and len(d) < 400, d
+    for part in ("layers=1", "block_size=4", "target_layer_ids=[0, 1]", "params="):
+        assert part in d, d
+
+
+def test_save_into_an_unwritable_place_names_the_path(drafter):
+    with pytest.raises(OSError, match="cannot write /proc/kdj-drafter") as e:
+        drafter.save("/proc/kdj-drafter")
+    assert ".partial" not in str(e.value)
+
+
+def test_finish_reasons(target, drafter):
+    """stop: a stop token ended it; length: its max_new_tokens did; the same with a drafter
+    and through the pool; "cache" where the cache filled first (the rule, on a made-up row:
+    generate sizes caches so that every budget fits)."""
+    from kdj.api import Batch, finish_reasons
+
+    free = kdj.generate(target, [[1, 2], [3, 4, 5]], method="ar", max_new_tokens=6,
+                        stop_tokens=[])  # fmt: skip
+    assert free.finish_reasons == ["length", "length"]
+    stop = free.tokens[1][2]
+    first = free.tokens[1].index(stop)
+    kw = {"max_new_tokens": [3, 6], "stop_tokens": [[], [stop]]}
+    out = kdj.generate(target, [[1, 2], [3, 4, 5]], method="ar", **kw)
+    assert out.finish_reasons == ["length", "stop"]
+    assert len(out.tokens[0]) == 3 and len(out.tokens[1]) == first + 1
+    spec = kdj.generate(target, [[1, 2], [3, 4, 5]], drafter=drafter, method="dflash", **kw)
+    assert spec.finish_reasons == out.finish_reasons and spec.tokens == out.tokens
+    pooled = kdj.generate(target, [[1, 2], [3, 4, 5]], method="ar", max_batch=1, **kw)
+    assert pooled.finish_reasons == out.finish_reasons
+    row = Batch(None, [100], [8], np.array([[stop, -1]]), set(), 104, 1)
+    assert finish_reasons([[5, 6, 7]], row) == ["cache"]
+    assert finish_reasons([[5, 6, 7, 5, 6, 7, 5, 6]], row) == ["length"]
+    assert finish_reasons([[5, stop]], row) == ["stop"]
+
+
+def test_train_yaml_booleans_are_yaml_booleans():
+    from kdj.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match="drafter.grow must be true or false.*'no'"):
+        TrainConfig.from_dict({"drafter": {"grow": "no"}})
+    with pytest.raises(ValueError, match="eval.deterministic must be true or false"):
+        TrainConfig.from_dict({"eval": {"deterministic": 1}})

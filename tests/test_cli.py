@@ -134,3 +134,146 @@ def test_eval_acceptance_runs_only_the_sets_asked_for(tmp_path):
     with pytest.raises(SystemExit, match=r"no prompts for \['humaneval'\]"):
         main(argv)
     assert not (tmp_path / "acc").exists()
+
+
+# ------------------------------------------------------ issue 47: what a new user meets
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Any model load fails the test: the command must have refused its input first."""
+
+    def never(*a, **k):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(kdj, "load_target", never)
+    monkeypatch.setattr(kdj, "load_drafter", never)
+
+
+@pytest.mark.parametrize(
+    "argv, msg",
+    [(["serve", "--port", "99999"], r"--port: must be in \[1, 65535\] \(got 99999\)"),
+     (["serve", "--port", "0"], r"--port: must be in \[1, 65535\]"),
+     (["serve", "--max-batch", "0"], "--max-batch: must be >= 1 .got 0"),
+     (["serve", "--context", "1"], "--context: must be >= 2"),
+     (["serve", "--max-queue", "0"], "--max-queue: must be >= 1"),
+     (["serve", "--chunk-steps", "-3"], "--chunk-steps: must be >= 1"),
+     (["serve", "--widths", "0", "8"], "--widths: must be >= 1"),
+     (["serve", "--widths", "1", "4"], r"--widths 1 4: .*end at --max-batch \(8\)"),
+     (["serve", "--grace", "-1"], "--grace: must be >= 0"),
+     (["serve", "--max-batch", "2.5"], "--max-batch: must be an integer"),
+     (["generate", "--max-new-tokens", "0"], "--max-new-tokens: must be >= 1"),
+     (["generate", "--top-p", "1.5"], r"--top-p: must be in \(0.0, 1.0\]"),
+     (["generate", "--temperature", "inf"], "--temperature: must be finite"),
+     (["generate", "--seed", "-1"], "--seed: must be in"),
+     (["generate", "--dtype", "float64"], "--dtype: invalid choice"),
+     (["generate", "--method", "ar", "--block-size", "4"], "--block-size applies to"),
+     (["generate", "--method", "ar", "--tree-budget", "4"], "--tree-budget applies to"),
+     (["generate", "--method", "dflash"], r"needs a drafter \(--drafter\)"),
+     (["generate", "--method", "ar", "--drafter", "x"], "--drafter is not used by method 'ar'"),
+     (["generate", "--no-chat", "--prompt", ""], "--prompt 0 is empty"),
+     (["eval-acceptance", "--drafter", "x", "--budgets", "0"], "--budgets: must be >= 1"),
+     (["calibrate", "--drafter", "x", "--temperatures", "0"], "--temperatures: must be > 0"),
+     (["tune", "--drafter", "x", "--batch", "0"], "--batch: must be >= 1"),
+     (["train-drafter", "--config", "c.yaml", "--steps", "0"], "--steps: must be >= 1")],
+)  # fmt: skip
+def test_flags_are_checked_before_any_model_loads(no_loading, argv, msg):
+    with pytest.raises(SystemExit, match=msg):
+        main(argv)
+
+
+@pytest.mark.parametrize(
+    "yaml, msg",
+    [("chat: 'no'\n", "chat must be true or false .a YAML boolean., got 'no'"),
+     ("decode:\n  deterministic: 'false'\n", "decode.deterministic must be true or false"),
+     ("chat: 1\n", "chat must be true or false"),
+     ("decode:\n  max_new_tokens: '3'\n", r"decode.max_new_tokens must be an integer"),
+     ("decode:\n  temperature: -1\n", "decode.temperature must be >= 0"),
+     ("decode:\n  top_p: 0\n", r"decode.top_p must be in \(0, 1\]"),
+     ("decode:\n  seed: [1, -2]\n", "decode.seed must be >= 0"),
+     ("decode:\n  method: fast\n", "decode.method 'fast' is not one of"),
+     ("decode:\n  method: ar\n  block_size: 4\n", "decode.block_size applies to .* not .*'ar'"),
+     ("decode:\n  cost: bogus\n", "decode.cost 'bogus' is not a file.*tune.*estimate"),
+     ("dtype: float64\n", "dtype 'float64' is not supported"),
+     ("target: 3\n", "target must be a name or path"),
+     ("decode:\n  method: ar\n   max_new_tokens: 3\n", r"line 3, column 18: not valid YAML"),
+     ("decode: [1\n", r"line 2, column 1: not valid YAML")],
+)  # fmt: skip
+def test_run_yaml_values_are_checked_before_any_model_loads(no_loading, tmp_path, yaml, msg):
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml)
+    with pytest.raises(SystemExit, match=f"kdj generate: {run}.*{msg}"):
+        main(["generate", "--config", str(run)])
+
+
+def test_method_flag_over_a_run_yaml_drops_what_it_does_not_use(capsys):
+    """The README's comparison: the DFlash run YAML decoded plainly with --method ar."""
+    argv = ["generate", "--config", "configs/runs/smollm2-dflash.yaml", "--method", "ar",
+            "--max-new-tokens", "4", "--no-chat", "--prompt",
+            "The capital of France is"]  # fmt: skip
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "leaves out the run YAML's decode.block_size, drafter" in captured.err
+    assert "compiling" in captured.err  # the status line while it compiles
+    assert "--- [0] finish: length, 4 tokens" in captured.out
+    assert "--- ar: 4 tokens" in captured.out
+
+
+def test_method_switch_keeps_what_the_new_method_uses():
+    from kdj.cli import parser
+    from kdj.cli.generate import settle
+
+    def run(*flags):
+        yaml = "configs/runs/smollm2-dflash.yaml"
+        return settle(parser().parse_args(["generate", "--config", yaml, *flags]))
+
+    ddtree = run("--method", "ddtree")
+    assert ddtree["drafter"] == "smollm2-135m-dflash-b16"
+    assert ddtree["decode"]["block_size"] == 16  # ddtree runs the drafter at a block too
+    assert run("--method", "auto", "--chat")["decode"]["block_size"] == 16
+    assert run("--no-deterministic")["decode"]["deterministic"] is False
+    assert run("--deterministic", "--no-chat")["chat"] is False
+
+
+def test_missing_extras_name_the_install(monkeypatch, no_loading):
+    import sys
+
+    for name in [m for m in sys.modules if m.startswith("kdj.train.") or m == "optax"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "optax", None)  # as if kdj[train] were not installed
+    with pytest.raises(SystemExit, match=r"\[train\] extras \(optax is not installed\): "
+                                         r"pip install 'kdj\[train\]'"):  # fmt: skip
+        main(["train-drafter", "--config", "configs/train/smollm2-b16.yaml"])
+    monkeypatch.setitem(sys.modules, "uvicorn", None)
+    with pytest.raises(SystemExit, match=r"pip install 'kdj\[serve\]'"):
+        main(["serve"])
+
+
+def test_acceptance_summary_lists_ddtree():
+    from kdj.train.evaluate import compare_table
+
+    report = {"sharegpt": {"T=0": {"ar": {"tau": 1.0, "tokens_per_s": 10.0},
+                                   "dflash": {"tau": 2.0, "speedup": 1.1},
+                                   "ddtree": {"4": {"tau": 2.5, "speedup": 1.3},
+                                              "16": {"error": "x"}}}}}  # fmt: skip
+    table = compare_table({"one": report})
+    assert "| DDTree 4 | DDTree 16 |" in table
+    assert "| sharegpt | 0 | one | 2.000 (1.10x) | 2.500 (1.30x) | - |" in table
+
+
+def test_python_m_kdj_cli_runs_the_command():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "kdj.cli", "serve", "--port", "70000"],
+                         capture_output=True, text=True)  # fmt: skip
+    assert out.returncode != 0 and "--port: must be in [1, 65535]" in out.stderr
+
+
+def test_status_line_off_a_terminal_is_one_line():
+    import io
+
+    from kdj.cli.status import Status
+
+    stream = io.StringIO()
+    with Status("compiling", stream):
+        pass
+    assert stream.getvalue() == "compiling ...\n"

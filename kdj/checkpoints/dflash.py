@@ -44,6 +44,10 @@ def drafter_config_from_hf(cfg: dict) -> DrafterConfig:
     """Parse a DFlash config.json dict; unknown or inconsistent fields raise ValueError."""
     if ARCHITECTURE not in (cfg.get("architectures") or []):
         raise ValueError(f"not a DFlash drafter config (architectures={cfg.get('architectures')})")
+    model_type = cfg.get("model_type", "qwen3")
+    if model_type != "qwen3":
+        raise ValueError(f"DFlash drafter model_type {model_type!r} is not supported: a DFlash "
+                         'drafter\'s layers are Qwen3 layers (model_type "qwen3")')  # fmt: skip
     if cfg.get("attention_bias"):
         raise NotImplementedError("DFlash drafters with attention bias are not supported")
     extra = cfg.get("dflash_config") or {}
@@ -65,10 +69,10 @@ def drafter_config_from_hf(cfg: dict) -> DrafterConfig:
         ids = default_target_layer_ids(num_target, n)
     return DrafterConfig(
         layers=layers,
-        block_size=int(cfg.get("block_size", 16)),
-        mask_token_id=int(mask),
-        target_layer_ids=tuple(int(i) for i in ids),
-        num_target_layers=int(num_target) if num_target is not None else -1,
+        block_size=cfg.get("block_size", 16),
+        mask_token_id=mask,
+        target_layer_ids=tuple(ids),
+        num_target_layers=num_target if num_target is not None else -1,
         layer_types=layer_types,
         sliding_window=cfg.get("sliding_window") if "sliding_attention" in layer_types else None,
     )
@@ -136,6 +140,8 @@ def load_drafter_checkpoint(path, dtype=jnp.bfloat16) -> DFlashDrafter:
         cfg = drafter_config_from_hf(json.loads(ckpt.config_path.read_text()))
     except json.JSONDecodeError as e:
         raise ValueError(f"corrupt {ckpt.config_path}: {e}") from None
+    except (ValueError, TypeError) as e:  # the message names the field; this names the file
+        raise ValueError(f"{ckpt.config_path}: {e}") from None
     skeleton = nnx.eval_shape(lambda: build_drafter(cfg, dtype))
     return fill_params(
         skeleton, ckpt.tensors(), drafter_targets, total=len(ckpt),
@@ -143,8 +149,32 @@ def load_drafter_checkpoint(path, dtype=jnp.bfloat16) -> DFlashDrafter:
     )  # fmt: skip
 
 
-CALIBRATION = "calibration.json"  # kdj.train.calibrate.FILE
+CALIBRATION = "calibration.json"  # written by kdj.train.calibrate (kdj calibrate --save)
 FILES = ("model.safetensors", CALIBRATION, "config.json")  # what a drafter save writes
+
+
+def load_calibration(drafter_dir) -> tuple[float, float, dict]:
+    """(forecast temperature, prior tau, tau by menu entry) saved beside a drafter: the
+    fitted temperature (1.0 when there is no calibration file), the mean tau the calibration
+    run realised (its method and budget are in the file; 0.0 = unknown) and that of each
+    measured menu entry ({} = unknown)."""
+    path = Path(drafter_dir) / CALIBRATION
+    if not path.exists():
+        return 1.0, 0.0, {}
+    try:
+        data = json.loads(path.read_text())
+        t = float(data["temperature"])
+        tau = data.get("realised_acceptance")
+        if tau is None and data.get("candidates"):  # files written before the field existed
+            tau = data["candidates"][0]["mean_realised"]
+        by_entry = {str(k): float(v) for k, v in data.get("realised_by_entry", {}).items()}
+        tau = float(tau or 0.0)
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"corrupt {path}: {e!r}; run kdj calibrate --save again, or delete "
+                         "it (the drafter then runs uncalibrated)") from None  # fmt: skip
+    if not t > 0:
+        raise ValueError(f"{path}: temperature must be positive (got {t})")
+    return t, tau, by_entry
 
 
 def save_drafter(drafter: DFlashDrafter, path, *, calibration: dict | None = None,

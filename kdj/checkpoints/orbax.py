@@ -9,8 +9,14 @@ abstract target.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
+import logging
 import shutil
+import sys
+import time
+import types
 from pathlib import Path
 
 import jax
@@ -82,6 +88,8 @@ def restore(path: str | Path, dtype=None, mesh=None, rules=None):
         cfg = ModelConfig.from_dict(meta["config"])
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"corrupt {path / CONFIG_NAME}: {e}") from None
+    except ValueError as e:  # a model kdj does not run
+        raise ValueError(f"{path / CONFIG_NAME}: {e}") from None
     if not (path / "params").exists():
         raise FileNotFoundError(f"{path} has no params/ checkpoint")
     fmt = meta.get("format", 1)
@@ -103,12 +111,48 @@ def restore(path: str | Path, dtype=None, mesh=None, rules=None):
         return var.replace(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding))
 
     abstract = jax.tree.map(target, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    try:
-        with ocp.StandardCheckpointer() as ckptr:
-            state = ckptr.restore(path / "params", abstract)
-    except Exception as e:  # TensorStore/Orbax raise many kinds, each with a long dump
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        first = first.split(" See full")[0][:160]  # drop the pointer to TensorStore's dump
-        raise ValueError(f"{path / 'params'}: cannot read the converted weights ({first}); "
-                         "the files are damaged: run kdj convert again") from None  # fmt: skip
+    failure = None
+    with _quiet() as quiet:
+        try:
+            with ocp.StandardCheckpointer() as ckptr:
+                state = ckptr.restore(path / "params", abstract)
+        except Exception as e:  # TensorStore/Orbax raise many kinds, each with a long dump
+            quiet.failed = True
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            failure = first.split(" See full")[0][:160]  # drop the pointer to TensorStore's dump
+    if failure is not None:
+        raise ValueError(f"{path / 'params'}: cannot read the converted weights ({failure}); "
+                         "the files are damaged: run kdj convert again")  # fmt: skip
     return nnx.merge(graphdef, state)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Orbax reports damaged files once per array, in log lines (absl, asyncio's "Task
+    exception was never retrieved") and in an "Exception ignored" dump of every abandoned read
+    (thousands of lines for a real model), some from TensorStore's threads after restore has
+    raised: restore raises one clear error instead, so after a failure all of it stays
+    silenced until those reads have stopped reporting."""
+    hook = sys.unraisablehook
+    loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
+    levels = [log.level for log in loggers]
+    quiet = types.SimpleNamespace(failed=False, swallowed=0)
+
+    def count(unraisable) -> None:
+        quiet.swallowed += 1
+
+    sys.unraisablehook = count
+    for log in loggers:
+        log.setLevel(logging.CRITICAL)
+    try:
+        yield quiet
+    finally:
+        gc.collect()
+        seen, deadline = -1, time.monotonic() + 10
+        while quiet.failed and quiet.swallowed != seen and time.monotonic() < deadline:
+            seen = quiet.swallowed
+            time.sleep(0.5)
+            gc.collect()
+        sys.unraisablehook = hook
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)

@@ -37,11 +37,19 @@ def staged(path, *, overwrite: bool = False, replaces=(), last: str | None = Non
     e.g. config.json) removed first and moved in last, so a write cut short never loads."""
     path = Path(path).absolute()
     full = check_destination(path, overwrite=overwrite, replaces=replaces)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
     try:
-        yield tmp
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise _naming(e, path) from None
+    try:
+        try:
+            yield tmp
+        except OSError as e:  # the temporary's name would mean nothing to the caller
+            if str(tmp) not in str(e.filename):
+                raise
+            raise _naming(e, path) from None
         if not full:
             if path.exists():
                 path.rmdir()  # empty: the rename needs it gone
@@ -58,3 +66,9 @@ def staged(path, *, overwrite: bool = False, replaces=(), last: str | None = Non
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+
+
+def _naming(error: OSError, path: Path) -> OSError:
+    """`error` (about the temporary directory) as one about the directory the caller named."""
+    message = f"cannot write {path}: {error.strerror or error}"
+    return OSError(error.errno, message) if error.errno else OSError(message)

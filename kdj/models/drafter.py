@@ -51,6 +51,14 @@ class DrafterConfig:
         # takes. (Whether the ids exist in the target is checked when a pair is formed,
         # kdj.handles.check_pair: the target may not be the one this config was made for.)
         ids, L = tuple(self.target_layer_ids), self.num_target_layers
+        _check_int("block_size", self.block_size, 2)  # the last token + at least one draft
+        _check_int("mask_token_id", self.mask_token_id, 0)
+        if L != -1:  # -1: the config does not say
+            _check_int("num_target_layers", L, 1)
+        if not ids:
+            raise ValueError("target_layer_ids is empty: the drafter needs at least one tap")
+        for i in ids:
+            _check_int("a target_layer_ids entry", i, 0)
         if len(set(ids)) != len(ids):
             raise ValueError(f"target_layer_ids {ids} repeat a layer (a {L}-layer target is too "
                              "shallow for this many distinct taps at the default spacing: "
@@ -68,6 +76,12 @@ class DrafterConfig:
         if self.layer_types and self.layer_types[i] == "sliding_attention":
             return self.sliding_window
         return None
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    ok = not isinstance(value, bool) and hasattr(value, "__index__") and value >= minimum
+    if not ok:
+        raise ValueError(f"drafter {name} must be an integer >= {minimum} (got {value!r})")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:

@@ -8,7 +8,7 @@ log-probs / t, renormalised. `calibrate` runs greedy generation on held-out prom
 candidate t (the drafts and accepted tokens do not depend on t; only the forecast does),
 compares forecast and realised tau step by step, and keeps the t whose mean forecast matches
 the mean realised tau best. The result is saved beside the drafter (calibration.json) and
-load_drafter picks it up.
+load_drafter picks it up (kdj.checkpoints.dflash.load_calibration).
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-FILE = "calibration.json"
+from kdj.checkpoints.dflash import CALIBRATION
+
+FILE = CALIBRATION  # read back by kdj.checkpoints.dflash.load_calibration (load_drafter)
 TEMPERATURES = (0.5, 0.7, 0.85, 1.0, 1.2, 1.5, 2.0, 3.0)
 
 
@@ -96,22 +98,3 @@ def save(report: dict, drafter_dir) -> Path:
     path = Path(drafter_dir) / FILE
     path.write_text(json.dumps(report, indent=2))
     return path
-
-
-def load(drafter_dir) -> tuple[float, float, dict]:
-    """(forecast temperature, prior tau, tau by menu entry) saved beside a drafter: the
-    fitted temperature (1.0 when there is no calibration file), the mean tau the calibration
-    run realised (its method and budget are in the file; 0.0 = unknown) and that of each
-    measured menu entry ({} = unknown)."""
-    path = Path(drafter_dir) / FILE
-    if not path.exists():
-        return 1.0, 0.0, {}
-    data = json.loads(path.read_text())
-    t = float(data["temperature"])
-    if not t > 0:
-        raise ValueError(f"{path}: temperature must be positive (got {t})")
-    tau = data.get("realised_acceptance")
-    if tau is None and data.get("candidates"):  # files written before the field existed
-        tau = data["candidates"][0]["mean_realised"]
-    by_entry = {str(k): float(v) for k, v in data.get("realised_by_entry", {}).items()}
-    return t, float(tau or 0.0), by_entry

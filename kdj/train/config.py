@@ -194,6 +194,15 @@ class OnlineConfig:
         self.compare = {name: CompareEntry.of(name, e) for name, e in self.compare.items()}
 
 
+def check_booleans(cls, values: dict, section: str) -> None:
+    """A YAML boolean field takes true or false only: "no" is a non-empty string, truthy."""
+    for f in dataclasses.fields(cls):
+        value = values.get(f.name)
+        if f.type == "bool" and value is not None and not isinstance(value, bool):
+            raise ValueError(f"{section}.{f.name} must be true or false (a YAML boolean), got "
+                             f"{value!r}")  # fmt: skip
+
+
 @dataclass
 class TrainConfig:
     target: str = "smollm2-135m-instruct"
@@ -235,6 +244,7 @@ class TrainConfig:
                 bad = set(value or {}) - names
                 if bad:
                     raise ValueError(f"unknown keys {sorted(bad)} in section {key!r}")
+                check_booleans(cls, value or {}, key)
                 kw[key] = cls(**(value or {}))
             else:
                 kw[key] = value

@@ -56,7 +56,9 @@ def _package_file(package: str, relpath: str, pip_name: str) -> Path:
     """A data file inside an installed package, found without importing the package."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(f"{package} is not installed: pip install {pip_name}")
+        raise ModuleNotFoundError(
+            f"{package} is not installed: pip install {pip_name}", name=package
+        )
     for folder in spec.submodule_search_locations:
         path = Path(folder) / relpath
         if path.is_file():

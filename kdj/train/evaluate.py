@@ -115,8 +115,9 @@ def eval_acceptance(
 
 
 def compare_table(reports: dict[str, dict]) -> str:
-    """Drafters side by side (reports: label -> eval_acceptance's report): a Markdown table of
-    tau per set and temperature, DFlash then each DDTree budget."""
+    """Drafters side by side (reports: label -> eval_acceptance's report, one or several): a
+    Markdown table of tau (and speedup over AR) per set and temperature, DFlash then each
+    DDTree budget."""
     first = next(iter(reports.values()))
     budgets = sorted({b for per_t in first.values() for r in per_t.values() for b in r["ddtree"]},
                      key=int)  # fmt: skip
@@ -124,7 +125,9 @@ def compare_table(reports: dict[str, dict]) -> str:
     rows = [head, ["---"] * len(head)]
 
     def tau(r):
-        return f"{r['tau']:.3f}" if "tau" in r else "-"
+        if "tau" not in r:
+            return "-"
+        return f"{r['tau']:.3f} ({r['speedup']:.2f}x)" if "speedup" in r else f"{r['tau']:.3f}"
 
     for name, per_t in first.items():
         for t in per_t:

@@ -1,0 +1,46 @@
+"""`kdj` command line: thin layers over the Python API (kdj/api.py)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from kdj.cli import convert, generate, serve, train
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors carry their message in the SystemExit (callers of
+    `main`, tests among them, see why), after the usage line on stderr."""
+
+    def error(self, message):
+        self.print_usage(sys.stderr)
+        raise SystemExit(f"{self.prog}: error: {message}")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = Parser(prog="kdj", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for module in (generate, convert, serve, train):
+        module.add_parsers(sub)
+    return p
+
+
+# Bad input the commands report in one line (the message names the problem and the fix).
+USER_ERRORS = (ValueError, TypeError, OSError, NotImplementedError)
+
+
+def as_flags(message: str, flags: dict[str, str]) -> str:
+    """A Python API message in the command's words: each API name (a parameter, a call) that
+    stands for one of its flags becomes the flag (`flags`: name -> flag)."""
+    for name, flag in flags.items():
+        message = re.sub(rf"(?<![\w.-]){re.escape(name)}(?![\w])", flag, message)
+    return message
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except USER_ERRORS as e:
+        raise SystemExit(f"kdj {args.cmd}: {as_flags(str(e), getattr(args, 'flags', {}))}") from e

@@ -1,0 +1,138 @@
+"""`kdj generate`: text from a target (and drafter) on the command line."""
+
+from __future__ import annotations
+
+import argparse
+
+from kdj.cli import values
+from kdj.cli.runs import DEFAULTS, METHOD_FIELDS, dtype_name, load_run, switch_method
+from kdj.cli.status import Status
+
+SAMPLE = "What is the capital of Australia?"
+# generate's parameters as this command's flags, for messages raised by the Python API
+FLAGS = {"kdj.load_drafter": "--drafter", "kdj.load_target": "--target",
+         "max_new_tokens": "--max-new-tokens", "top_p": "--top-p", **METHOD_FIELDS}  # fmt: skip
+
+
+def settle(args) -> dict:
+    """The run: the YAML's fields, the flags' over them, every value and their combination
+    checked (ValueError) before any model loads."""
+    from kdj import arguments
+
+    run = load_run(args.config)
+    given = {key: getattr(args, key) for key in ("drafter", *METHOD_FIELDS)}
+    if args.method is not None:
+        switch_method(run, args.method, given)
+    for key in ("target", "drafter", "dtype", "chat"):
+        if getattr(args, key) is not None:
+            run[key] = getattr(args, key)
+    dec = run["decode"]
+    for key in ("max_new_tokens", "temperature", "top_p", "seed", "deterministic", *METHOD_FIELDS):
+        if getattr(args, key) is not None:
+            dec[key] = getattr(args, key)
+    plain = dec["method"] == "ar" or (dec["method"] == "auto" and not run["drafter"])
+    if plain and args.drafter is not None:
+        raise ValueError(f"--drafter is not used by method {dec['method']!r} without drafting: "
+                         "leave it out, or choose --method dflash, ddtree or auto")  # fmt: skip
+    if plain:
+        run["drafter"] = None  # not loaded: plain decoding never reads it
+    arguments.method(dec["method"], bool(run["drafter"]), block_size=dec["block_size"],
+                     tree_budget=dec["tree_budget"])  # fmt: skip
+    prompts = args.prompt or [SAMPLE]
+    if not run["chat"] and "" in prompts:
+        raise ValueError(f"--prompt {prompts.index('')} is empty (with --no-chat nothing is "
+                         "added to it): give some text")  # fmt: skip
+    return run
+
+
+def cmd_generate(args) -> int:
+    import kdj
+
+    run = settle(args)
+    dec = run["decode"]
+    target = kdj.load_target(run["target"], dtype=dtype_name(run["dtype"]))
+    drafter = kdj.load_drafter(run["drafter"], target=target) if run["drafter"] else None
+    tok = target.tokenizer
+    prompts = args.prompt or [SAMPLE]
+    if run["chat"]:
+        if tok is None:
+            raise ValueError("the chat template needs a tokenizer; this target has none (pass "
+                             "--no-chat and token text the model reads raw)")  # fmt: skip
+        prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    with Status("kdj generate: compiling (first call of a shape: tens of seconds) and decoding"):
+        out = kdj.generate(target, prompts, drafter=drafter, **dec)
+    for i, text in enumerate(out.texts or [str(t) for t in out.tokens]):
+        print(f"--- [{i}] {(args.prompt or [SAMPLE])[i]}")
+        print(text)
+        print(f"--- [{i}] finish: {out.finish_reasons[i]}, {len(out.tokens[i])} tokens")
+    s = out.stats
+    if s["method"] != "ar":
+        hist = " ".join(f"{k + 1}:{n}" for k, n in enumerate(s["acceptance_histogram"]) if n)
+        print(f"--- tokens per step (tau) histogram: {hist}")
+    if s["method"] == "ddtree":
+        print(
+            f"--- tree budget {s['tree_budget']}, mean tree size {s['mean_tree_size']:.1f}, "
+            f"mean accepted depth {s['mean_accepted_depth']:.2f}"
+        )
+    print(
+        f"--- {s['method']}: {s['new_tokens']} tokens in {s['steps']} steps, "
+        f"mean acceptance {s['mean_acceptance']:.2f}, {s['tokens_per_s']:.1f} tok/s decode "
+        f"(prefill {s['prefill_s'] * 1e3:.1f} ms, decode {s['decode_s'] * 1e3:.1f} ms, "
+        f"compile {s['compile_s']:.1f} s)"
+    )
+    return 0
+
+
+def add_parsers(sub) -> None:
+    run = "default: the run YAML's, else"
+    g = sub.add_parser("generate", help="generate text (default: the embedded SmolLM2 model)")
+    g.add_argument(
+        "--prompt",
+        action="append",
+        help="a prompt (repeat for a batch; default: one sample question)",
+    )
+    g.add_argument("--config", help="run YAML, e.g. configs/runs/smollm2.yaml (default: none)")
+    g.add_argument(
+        "--target",
+        help=f"HF dir, .gguf, kdj convert dir or built-in name ({run} {DEFAULTS['target']})",
+    )
+    g.add_argument(
+        "--drafter",
+        help="DFlash drafter checkpoint dir (published format) or "
+        f"built-in name ({run} none: plain decoding)",
+    )
+    g.add_argument(
+        "--block-size",
+        type=values.integer(2),
+        help=f"run the drafter at a smaller block ({run} the drafter's own)",
+    )
+    g.add_argument(
+        "--tree-budget",
+        type=values.POSITIVE,
+        help=f"DDTree: draft-tree nodes per step ({run} 64 with --method ddtree)",
+    )
+    g.add_argument(
+        "--dtype",
+        choices=values.DTYPES,
+        help=f"float32 | bfloat16 | auto ({run} auto: float32 on CPU, bfloat16 on GPU/TPU)",
+    )
+    g.add_argument(
+        "--method",
+        choices=["ar", "dflash", "ddtree", "auto"],
+        help=f"decoding method ({run} auto: per step, with a drafter)",
+    )
+    g.add_argument(
+        "--max-new-tokens", type=values.POSITIVE, help=f"tokens to generate per prompt ({run} 128)"
+    )
+    g.add_argument(
+        "--temperature", type=values.TEMPERATURE, help=f"sampling temperature, 0 = greedy ({run} 0)"
+    )
+    g.add_argument("--top-p", type=values.TOP_P, help=f"nucleus sampling mass in (0, 1] ({run} 1)")
+    g.add_argument("--seed", type=values.SEED, help=f"sampling seed ({run} 0)")
+    g.add_argument("--deterministic", action=argparse.BooleanOptionalAction,
+                   help="output independent of method, drafter and batch (kernels chosen per "
+                        f"row; {run} false)")  # fmt: skip
+    g.add_argument("--chat", action=argparse.BooleanOptionalAction,
+                   help=f"apply the chat template to each prompt; --no-chat feeds it raw ({run} "
+                   "true)")  # fmt: skip
+    g.set_defaults(fn=cmd_generate, flags=FLAGS)

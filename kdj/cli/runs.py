@@ -1,0 +1,159 @@
+"""Run YAMLs (configs/runs/*.yaml): a target, a drafter and generate's arguments, read and
+checked before anything loads, then merged with the command line's flags."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+DEFAULTS = {
+    "target": "smollm2-135m-instruct",
+    "drafter": None,
+    "dtype": "auto",
+    "chat": True,
+    "decode": {
+        "method": "auto",
+        "max_new_tokens": 128,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "seed": 0,
+        "block_size": None,
+        "tree_budget": None,
+        "deterministic": False,
+        "cost": None,  # auto's step costs: a StepCost JSON, "tune", "estimate" (kdj.generate)
+    },
+}
+
+
+def dtype_name(name: str) -> str:
+    if name != "auto":
+        return name
+    import jax
+
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def load_run(path: str | None) -> dict:
+    """DEFAULTS updated by the run YAML at `path` (None: the defaults), every value checked:
+    a bad one raises ValueError naming the file and the field."""
+    from kdj.config import load_yaml
+
+    cfg = json.loads(json.dumps(DEFAULTS))  # deep copy
+    if path is None:
+        return cfg
+    run = load_yaml(path)
+    unknown = set(run) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {sorted(unknown)}; expected {sorted(DEFAULTS)}")
+    decode = run.get("decode") or {}
+    if not isinstance(decode, dict):
+        raise ValueError(f"{path}: decode must be a mapping of generate arguments")
+    typos = set(decode) - set(DEFAULTS["decode"])
+    if typos:
+        raise ValueError(f"{path}: unknown decode keys {sorted(typos)}; expected "
+                         f"{sorted(DEFAULTS['decode'])}")  # fmt: skip
+    cfg.update({k: v for k, v in run.items() if k != "decode"})
+    cfg["decode"].update(decode)
+    check_values(cfg, {**run, "decode": decode}, path)
+    return cfg
+
+
+def check_values(cfg: dict, given: dict, path) -> None:
+    """Each field the YAML gave (`given`) as generate would take it, named by its place in
+    the file. Booleans are YAML's true / false only: "no" is a non-empty string."""
+    from kdj import arguments
+
+    def check(name, fn):
+        """fn's error with generate's argument names as the file's fields (decode.seed)."""
+        try:
+            fn()
+        except (TypeError, ValueError) as e:
+            message = str(e)
+            for key in DEFAULTS["decode"]:
+                message = re.sub(rf"(?<![\w.]){key}(?!\w)", f"decode.{key}", message)
+            where = "" if "decode." in message or name in message else f"{name}: "
+            raise ValueError(f"{path}: {where}{message}") from None
+
+    def boolean(name, value):
+        if not isinstance(value, bool):
+            raise ValueError(f"{path}: {name} must be true or false (a YAML boolean), got "
+                             f"{value!r}")  # fmt: skip
+
+    def text(name, value, none=False):
+        if not (isinstance(value, str) and value) and not (none and value is None):
+            raise ValueError(f"{path}: {name} must be a name or path (got {value!r})")
+
+    dec, given_dec = cfg["decode"], given["decode"]
+    for key, default in DEFAULTS.items():
+        if key in given and isinstance(default, bool):
+            boolean(key, given[key])
+    for key, default in DEFAULTS["decode"].items():
+        if key in given_dec and isinstance(default, bool):
+            boolean(f"decode.{key}", given_dec[key])
+    if "target" in given:
+        text("target", cfg["target"])
+    if "drafter" in given:
+        text("drafter", cfg["drafter"], none=True)
+    if "dtype" in given and cfg["dtype"] != "auto":
+        check("dtype", lambda: arguments.dtype(cfg["dtype"]))
+    if dec["method"] not in arguments.METHODS:
+        raise ValueError(f"{path}: decode.method {dec['method']!r} is not one of "
+                         f"{', '.join(arguments.METHODS)}")  # fmt: skip
+
+    for key in METHOD_FIELDS:
+        if dec[key] is not None and dec["method"] not in arguments.APPLIES_TO[key]:
+            uses = " or ".join(arguments.APPLIES_TO[key])
+            raise ValueError(f"{path}: decode.{key} applies to method {uses}, not the file's "
+                             f"{dec['method']!r}")  # fmt: skip
+
+    def per_prompt(value):
+        return value if isinstance(value, list) else [value]
+
+    check("decode.max_new_tokens",
+          lambda: [arguments.integer(m, "max_new_tokens", 1)
+                   for m in per_prompt(dec["max_new_tokens"])])  # fmt: skip
+    check("decode.temperature", lambda: arguments.sampling(dec["temperature"], dec["top_p"]))
+    seeds = per_prompt(dec["seed"])
+    check("decode.seed", lambda: arguments.seeds(seeds, len(seeds)))
+    if dec["block_size"] is not None:
+        check("decode.block_size", lambda: arguments.integer(dec["block_size"], "block_size", 2))
+    if dec["tree_budget"] is not None:
+        check("decode.tree_budget",
+              lambda: arguments.integer(dec["tree_budget"], "tree_budget", 1))  # fmt: skip
+    check("decode.cost", lambda: arguments.cost(dec["cost"]))
+
+
+# The run's fields that only some methods use (kdj.arguments.APPLIES_TO), and the flags
+# that set them.
+METHOD_FIELDS = {"block_size": "--block-size", "tree_budget": "--tree-budget"}
+
+
+def switch_method(run: dict, method: str, flags: dict) -> None:
+    """The run with --method `method` in place of the YAML's: the YAML's block_size and
+    tree_budget are dropped where `method` does not use them, and its drafter where the run
+    decodes plainly (said on stderr). `flags`: the values the command line gave; one of them
+    that `method` does not use stays, and generate refuses it."""
+    from kdj.arguments import APPLIES_TO
+
+    dec = run["decode"]
+    if dec["method"] == method:
+        return
+    dec["method"] = method
+    drafter = run["drafter"] if flags.get("drafter") is None else flags["drafter"]
+    plain = method == "ar" or (method == "auto" and not drafter)
+    dropped = []
+    for key in METHOD_FIELDS:
+        if (
+            dec[key] is not None
+            and flags.get(key) is None
+            and (plain or method not in APPLIES_TO[key])
+        ):
+            dec[key] = None
+            dropped.append(f"decode.{key}")
+    if plain and run["drafter"] is not None and flags.get("drafter") is None:
+        run["drafter"] = None
+        dropped.append("drafter")
+    if dropped:
+        print(f"kdj: --method {method} leaves out the run YAML's {', '.join(dropped)}",
+              file=sys.stderr)  # fmt: skip

@@ -1,0 +1,153 @@
+"""`kdj serve` (the OpenAI-compatible server) and `kdj bench-serve` (its concurrency sweep)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kdj.cli import values
+from kdj.cli.extras import needs
+from kdj.cli.runs import dtype_name, load_run
+
+# the engine's parameters as serve's flags, for messages raised below the command line
+FLAGS = {"kdj.load_drafter": "--drafter", "kdj.load_target": "--target",
+         "max_batch": "--max-batch", "chunk_steps": "--chunk-steps",
+         "max_queue": "--max-queue"}  # fmt: skip
+# serve --warm: which modes (greedy True, sampled False) to compile before listening
+WARM_MODES = {"all": (True, False), "greedy": (True,), "none": ()}
+
+
+def check_serve(args, run: dict) -> None:
+    """The flags and the run YAML as the server takes them (ValueError), before any model
+    loads; each number's range is argparse's (kdj.cli.values)."""
+    from kdj import arguments
+    from kdj.decode.widths import ladder
+
+    if args.widths is not None:
+        try:
+            ladder(args.max_batch, args.widths)
+        except ValueError:
+            raise ValueError(f"--widths {' '.join(map(str, args.widths))}: the widths must end "
+                             f"at --max-batch ({args.max_batch}), e.g. --widths 1 "
+                             f"{args.max_batch}") from None  # fmt: skip
+    dec = run["decode"]
+    if dec["deterministic"]:
+        raise ValueError(f"{args.config}: decode.deterministic: kdj serve does not run "
+                         "deterministic mode; set it false (kdj generate "
+                         "--deterministic does)")  # fmt: skip
+    arguments.method(dec["method"], bool(run["drafter"]), block_size=dec["block_size"],
+                     tree_budget=dec["tree_budget"])  # fmt: skip
+
+
+def cmd_serve(args) -> int:
+    import kdj
+
+    run = load_run(args.config)
+    check_serve(args, run)
+    with needs("serve"):
+        import uvicorn
+
+        from kdj.serve.app import make_app
+    dec = run["decode"]
+    target = kdj.load_target(run["target"], dtype=dtype_name(run["dtype"]))
+    drafter = kdj.load_drafter(run["drafter"], target=target) if run["drafter"] else None
+    name = args.model_name or str(run["target"])
+    app = make_app(target, name, drafter=drafter, method=dec["method"],
+                   block_size=dec["block_size"], tree_budget=dec["tree_budget"],
+                   max_batch=args.max_batch, context=args.context,
+                   max_tokens=dec["max_new_tokens"], max_queue=args.max_queue,
+                   chunk_steps=args.chunk_steps, temperature=dec["temperature"],
+                   top_p=dec["top_p"], seed=dec["seed"], widths=args.widths,
+                   warm=WARM_MODES[args.warm], cost=dec["cost"])  # fmt: skip
+    # SIGTERM: uvicorn stops accepting, lets in-flight requests finish for up to
+    # --grace seconds, then the app's shutdown cancels the rest
+    uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace)
+    return 0
+
+
+def cmd_bench_serve(args) -> int:
+    with needs("serve"):
+        from kdj.serve import bench
+
+    if args.prompts:  # eval_prompts.json written by train-drafter
+        prompts = json.loads(Path(args.prompts).read_text())["sharegpt"]
+    else:
+        from kdj.train.data import sharegpt_split
+
+        with needs("train"):
+            prompts = [m for _, m in sharegpt_split()[1]]
+    lo, hi = (args.max_tokens * 2)[:2] if len(args.max_tokens) == 1 else args.max_tokens
+    if not 1 <= lo <= hi:
+        raise ValueError(f"--max-tokens: need 1 <= lo <= hi, got {args.max_tokens}")
+    report = bench.run(args.url, prompts, args.concurrency, (lo, hi), args.requests,
+                       seed=args.seed, model=args.model, warmup=not args.no_warmup,
+                       waves=args.waves)  # fmt: skip
+    print(bench.table(report))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.out}")
+    if args.plot:
+        with needs("train"):  # matplotlib
+            bench.plot({report["model"]: report}, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def add_parsers(sub) -> None:
+    v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs kdj[serve])")
+    v.add_argument("--config", help="run YAML, e.g. configs/runs/smollm2.yaml (default: none)")
+    v.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
+    )
+    v.add_argument(
+        "--port", type=values.PORT, default=8000, help="port to listen on (default: %(default)s)"
+    )
+    v.add_argument("--model-name", help="the model id clients send (default: the target)")
+    v.add_argument(
+        "--max-batch", type=values.POSITIVE, default=8, help="slots of the pool (default: 8)"
+    )
+    v.add_argument(
+        "--context", type=values.integer(2), default=2048, help="tokens per slot (default: 2048)"
+    )
+    v.add_argument(
+        "--max-queue", type=values.POSITIVE, default=64, help="waiting requests (default: 64)"
+    )
+    v.add_argument("--chunk-steps", type=values.POSITIVE, default=16,
+                   help="device steps between host turns (default: 16)")  # fmt: skip
+    v.add_argument("--widths", type=values.POSITIVE, nargs="+",
+                   help="compiled widths the pool runs at, ending at --max-batch (default: "
+                   "1 4 16 ... below it; --widths N with N = --max-batch: one width)")  # fmt: skip
+    v.add_argument(
+        "--grace", type=values.COUNT, default=30, help="SIGTERM grace seconds (default: 30)"
+    )
+    v.add_argument("--warm", choices=["all", "greedy", "none"], default="all",
+                   help="compile the pool's programs before listening: for greedy and sampled "
+                   "requests, greedy only, or none (compiled as requests meet them; default: "
+                   "%(default)s)")  # fmt: skip
+    v.set_defaults(fn=cmd_serve, flags=FLAGS)
+
+    w = sub.add_parser("bench-serve", help="concurrency sweep against an OpenAI-compatible URL")
+    w.add_argument(
+        "--url", default="http://127.0.0.1:8000", help="server base URL (default: %(default)s)"
+    )
+    w.add_argument("--concurrency", type=values.POSITIVE, nargs="+", default=[1, 4, 16, 64, 256],
+                   help="client counts to sweep (default: 1 4 16 64 256)")  # fmt: skip
+    w.add_argument("--requests", type=values.POSITIVE, default=64,
+                   help="requests per level, at least the concurrency (default: 64)")  # fmt: skip
+    w.add_argument("--waves", type=values.POSITIVE, default=1,
+                   help="at least this many requests per client per level: the first wave "
+                   "arrives at once, later ones show the steady state (default: 1)")  # fmt: skip
+    w.add_argument("--max-tokens", type=values.POSITIVE, nargs="+", default=[128],
+                   help="output length N, or LO HI drawn uniformly (default: 128)")  # fmt: skip
+    w.add_argument("--prompts", help="eval_prompts.json (default: held-out ShareGPT)")
+    w.add_argument("--model", help="model id (default: the server's first)")
+    w.add_argument(
+        "--seed", type=values.SEED, default=0, help="seed of prompt and length draws (default: 0)"
+    )
+    w.add_argument("--no-warmup", action="store_true",
+                   help="skip the unmeasured pass over every level first (the server's "
+                   "compiles then land in the measured rows; default: warm up)")  # fmt: skip
+    w.add_argument("--out", help="write the report as JSON here (default: print only)")
+    w.add_argument("--plot", help="write tok/s and TTFT against concurrency as a PNG here "
+                   "(needs matplotlib; default: none)")  # fmt: skip
+    w.set_defaults(fn=cmd_bench_serve)

@@ -1,0 +1,250 @@
+"""The drafter's commands: `kdj train-drafter`, `eval-acceptance`, `calibrate`, `tune`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kdj.cli import values
+from kdj.cli.extras import needs
+from kdj.cli.runs import dtype_name
+
+# the loading calls as these commands' flags, for messages raised by the Python API
+FLAGS = {"kdj.load_drafter": "--drafter", "kdj.load_target": "--target"}
+
+
+def cmd_train_drafter(args) -> int:
+    with needs("train"):
+        from kdj.train.config import TrainConfig
+        from kdj.train.loop import run_training
+        from kdj.train.online import run_online
+
+    cfg = TrainConfig.from_yaml(args.config)
+    for key in ("target", "out_dir"):
+        if getattr(args, key) is not None:
+            setattr(cfg, key, getattr(args, key))
+    if args.steps is not None:
+        cfg.optim.steps = args.steps
+    if args.max_minutes is not None:
+        cfg.optim.max_minutes = args.max_minutes
+    if args.init_from is not None:
+        cfg.drafter.init_from = args.init_from or None  # "" trains from random weights
+    if args.num_layers is not None:
+        cfg.drafter.num_layers = args.num_layers
+    (run_online if cfg.online is not None else run_training)(cfg)
+    return 0
+
+
+def cmd_eval_acceptance(args) -> int:
+    import kdj
+
+    with needs("train"):
+        import matplotlib  # noqa: F401  (the report's plot, written after the runs)
+
+        from kdj.train import evaluate
+        from kdj.train.loop import chat_prompts
+
+    named = drafter_labels(args.drafter)
+    if args.prompts:  # eval_prompts.json written by train-drafter: no dataset packages needed
+        texts = json.loads(open(args.prompts).read())
+    else:
+        from kdj.train.data import humaneval_prompts, sharegpt_split
+
+        with needs("train"):
+            texts = {"sharegpt": [m for _, m in sharegpt_split()[1]],
+                     "humaneval": humaneval_prompts()}  # fmt: skip
+    target = kdj.load_target(args.target, dtype=dtype_name(args.dtype))
+    drafters = {label: kdj.load_drafter(src, target=target) for label, src in named.items()}
+    n, tok = args.num_prompts, target.tokenizer
+    datasets = {name: chat_prompts(tok, texts[name][:n], args.max_prompt_tokens)
+                for name in args.datasets if texts.get(name)}  # fmt: skip
+    if not datasets:
+        raise SystemExit(f"no prompts for {args.datasets} in {args.prompts or 'the packages'}")
+    ar_runs: dict = {}  # one AR run per (set, temperature), shared by every drafter
+    reports = {}
+    for label, drafter in drafters.items():
+        out = Path(args.out) / label if len(drafters) > 1 else Path(args.out)
+        meta = {"target": args.target, "drafter": named[label], "num_prompts": n,
+                "max_new_tokens": args.max_new_tokens, "deterministic": args.deterministic,
+                "dtype": args.dtype}  # fmt: skip
+        reports[label] = evaluate.eval_acceptance(
+            target, drafter, datasets, budgets=args.budgets, temperatures=args.temperatures,
+            max_new_tokens=args.max_new_tokens, out_dir=out, meta=meta,
+            deterministic=args.deterministic, ar_runs=ar_runs,
+        )  # fmt: skip
+        js, png = evaluate.write_report(reports[label], out, meta)
+        print(f"{label}: wrote {js} and {png}")
+    print(evaluate.compare_table(reports))  # tau (speedup over AR): DFlash, each DDTree budget
+    return 0
+
+
+def drafter_labels(specs: list[str]) -> dict[str, str]:
+    """--drafter values ("NAME=SOURCE" or a bare SOURCE, labelled by its last path part) ->
+    {label: source}; two drafters may not share a label (their reports share a folder)."""
+    named: dict[str, str] = {}
+    for spec in specs:
+        label, sep, src = spec.partition("=")
+        if not sep:
+            label, src = Path(spec.rstrip("/")).name, spec
+        if not label or not src:
+            raise SystemExit(f"--drafter {spec!r}: give NAME=SOURCE or a drafter dir / name")
+        if label in named:
+            raise SystemExit(f"--drafter: two drafters are labelled {label!r}; name them "
+                             "apart with NAME=SOURCE")  # fmt: skip
+        named[label] = src
+    return named
+
+
+def cmd_tune(args) -> int:
+    """Time auto's steps for each batch bucket, print the table, cache the fitted costs."""
+    import kdj
+    from kdj.decode import auto, tune
+
+    target = kdj.load_target(args.target, dtype=dtype_name(args.dtype))
+    drafter = kdj.load_drafter(args.drafter, target=target)
+    shapes = auto.parse_menu("auto", args.menu, drafter.cfg.block_size, None)
+    for batch in args.batch:
+        _, timings, path = tune.tune(target, drafter, shapes, batch, args.context)
+        print(tune.table(timings))
+        print(f"saved {path}")
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    import kdj
+    from kdj.train import calibrate
+    from kdj.train.data import sharegpt_split
+
+    with needs("train"):
+        from kdj.train.loop import chat_prompts
+
+        held_out = [m for _, m in sharegpt_split()[1]]  # conversations >= 16,000 only
+    target = kdj.load_target(args.target, dtype=dtype_name(args.dtype))
+    drafter = kdj.load_drafter(args.drafter, target=target)
+    prompts = chat_prompts(target.tokenizer, held_out[: args.num_prompts], 512)
+    report = calibrate.calibrate(
+        target, drafter, prompts, method=args.method, tree_budget=args.tree_budget,
+        temperatures=args.temperatures, max_new_tokens=args.max_new_tokens,
+    )  # fmt: skip
+    print(json.dumps({k: v for k, v in report.items() if k != "candidates"}, indent=2))
+    if args.save:
+        path = Path(args.drafter)
+        if not path.exists():  # a built-in name
+            path = kdj.loading.ASSETS / args.drafter
+        print(f"wrote {calibrate.save(report, path)}")
+    return 0
+
+
+def add_parsers(sub) -> None:
+    t = sub.add_parser("train-drafter", help="train a DFlash drafter for a target (kdj.train)")
+    t.add_argument("--config", required=True, help="training YAML, e.g. configs/train/*.yaml")
+    keep = "default: the config's"
+    t.add_argument("--target", help=f"override the config's target ({keep})")
+    t.add_argument("--out-dir", help=f"override the config's out_dir ({keep})")
+    t.add_argument("--steps", type=values.POSITIVE, help=f"override optim.steps ({keep})")
+    t.add_argument(
+        "--max-minutes",
+        type=values.real(0.0, above=True),
+        help="stop (checkpoint + export) after this (default: optim.max_minutes)",
+    )
+    t.add_argument(
+        "--init-from",
+        help="override drafter.init_from: a DFlash drafter dir or built-in name to continue "
+        f'training from ("" for random init; {keep})',
+    )
+    t.add_argument(
+        "--num-layers",
+        type=values.POSITIVE,
+        help=f"override drafter.num_layers (ablations; {keep})",
+    )
+    t.set_defaults(fn=cmd_train_drafter)
+    e = sub.add_parser("eval-acceptance", help="tau and speed of DFlash / DDTree vs AR")
+    e.add_argument("--drafter", required=True, nargs="+",
+                   help="DFlash drafter dir or built-in name; several (NAME=SOURCE to label "
+                   "them) are compared in one process against one AR run, a report each in "
+                   "OUT/NAME")  # fmt: skip
+    e.add_argument("--deterministic", action="store_true",
+                   help="deterministic mode: tau depends only on the weights and prompts "
+                   "(bf16 default kernels move it between processes); slower")  # fmt: skip
+    d = " (default: %(default)s)"
+    e.add_argument("--target", default="smollm2-135m-instruct", help="target to evaluate" + d)
+    e.add_argument(
+        "--dtype", default="auto", choices=values.DTYPES, help="float32 | bfloat16 | auto" + d
+    )
+    e.add_argument("--out", default="out/acceptance", help="folder for the JSON and PNG" + d)
+    e.add_argument("--prompts", help="eval_prompts.json (default: read the dataset packages)")
+    e.add_argument(
+        "--num-prompts", type=values.POSITIVE, default=16, help="prompts per dataset" + d
+    )
+    e.add_argument(
+        "--max-prompt-tokens",
+        type=values.POSITIVE,
+        default=512,
+        help="longer prompts are cut to this" + d,
+    )
+    e.add_argument(
+        "--max-new-tokens",
+        type=values.POSITIVE,
+        default=256,
+        help="tokens generated per prompt" + d,
+    )
+    e.add_argument(
+        "--budgets",
+        type=values.POSITIVE,
+        nargs="+",
+        default=[16, 32, 64, 128, 256],
+        help="DDTree budgets to run" + d,
+    )
+    e.add_argument(
+        "--temperatures",
+        type=values.TEMPERATURE,
+        nargs="+",
+        default=[0.0, 1.0],
+        help="sampling temperatures to run" + d,
+    )
+    e.add_argument("--datasets", nargs="+", choices=["sharegpt", "humaneval"],
+                   default=["sharegpt", "humaneval"], help="held-out sets to run" + d)  # fmt: skip
+    e.set_defaults(fn=cmd_eval_acceptance, flags=FLAGS)
+    k = sub.add_parser("calibrate", help="fit the drafter's forecast temperature (method=auto)")
+    k.add_argument("--drafter", required=True, help="DFlash drafter dir or built-in name")
+    k.add_argument("--target", default="smollm2-135m-instruct", help="its target" + d)
+    k.add_argument(
+        "--dtype", default="auto", choices=values.DTYPES, help="float32 | bfloat16 | auto" + d
+    )
+    k.add_argument(
+        "--method",
+        choices=["dflash", "ddtree"],
+        default="ddtree",
+        help="method whose steps are forecast" + d,
+    )
+    k.add_argument("--tree-budget", type=values.POSITIVE, default=16, help="DDTree budget" + d)
+    k.add_argument(
+        "--temperatures",
+        type=values.real(0.0, above=True),
+        nargs="+",
+        default=[0.5, 0.7, 1.0, 1.5, 2.0],
+        help="candidate forecast temperatures" + d,
+    )
+    k.add_argument(
+        "--num-prompts", type=values.POSITIVE, default=8, help="held-out ShareGPT prompts" + d
+    )
+    k.add_argument(
+        "--max-new-tokens", type=values.POSITIVE, default=64, help="tokens generated per prompt" + d
+    )
+    k.add_argument(
+        "--save",
+        action="store_true",
+        help="write calibration.json beside the drafter (default: only print)",
+    )
+    k.set_defaults(fn=cmd_calibrate, flags=FLAGS)
+
+    u = sub.add_parser("tune", help="time auto's steps on this machine and cache the costs")
+    u.add_argument("--drafter", required=True, help="DFlash drafter dir or built-in name")
+    u.add_argument("--target", default="smollm2-135m-instruct", help="its target" + d)
+    u.add_argument(
+        "--dtype", default="auto", choices=values.DTYPES, help="float32 | bfloat16 | auto" + d
+    )
+    u.add_argument("--batch", type=values.POSITIVE, nargs="+", default=[1], help="batch sizes" + d)
+    u.add_argument("--context", type=values.integer(2), default=256, help="tokens per sequence" + d)
+    u.add_argument("--menu", nargs="+", default=None, help="auto's menu (default: its own)")
+    u.set_defaults(fn=cmd_tune, flags=FLAGS)

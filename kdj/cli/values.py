@@ -1,0 +1,58 @@
+"""argparse types: each flag's value is checked as it is parsed, so a bad one is refused
+before anything loads, in a message that names the flag ("argument --max-batch: ...")."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def integer(minimum: int | None = None, maximum: int | None = None):
+    """An int in [minimum, maximum] (either bound optional)."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer (got {text!r})") from None
+        if (minimum is not None and n < minimum) or (maximum is not None and n > maximum):
+            raise argparse.ArgumentTypeError(f"must be {_range(minimum, maximum)} (got {n})")
+        return n
+
+    return parse
+
+
+def real(minimum: float | None = None, maximum: float | None = None, *, above: bool = False):
+    """A finite float >= minimum (> minimum with `above`) and <= maximum."""
+
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number (got {text!r})") from None
+        if not math.isfinite(x):
+            raise argparse.ArgumentTypeError(f"must be finite (got {text!r})")
+        low = minimum is not None and (x <= minimum if above else x < minimum)
+        if low or (maximum is not None and x > maximum):
+            raise argparse.ArgumentTypeError(f"must be {_range(minimum, maximum, above)} "
+                                             f"(got {x:g})")  # fmt: skip
+        return x
+
+    return parse
+
+
+def _range(minimum, maximum, above: bool = False) -> str:
+    if maximum is None:
+        return f"{'>' if above else '>='} {minimum}"
+    if minimum is None:
+        return f"<= {maximum}"
+    return f"in {'(' if above else '['}{minimum}, {maximum}]"
+
+
+POSITIVE = integer(1)
+COUNT = integer(0)
+PORT = integer(1, 65535)
+SEED = integer(0, 2**32 - 1)
+TEMPERATURE = real(0.0)
+TOP_P = real(0.0, 1.0, above=True)
+DTYPES = ("float32", "bfloat16", "auto")
