@@ -16,14 +16,14 @@ SEED_STRIDE = 0x9E3779B9  # odd: choice i's seed (seed + i * stride) differs for
 FIELDS = ("model", "max_tokens", "temperature", "top_p", "stream", "stop", "seed", "n")
 CHAT_FIELDS = FIELDS + ("messages", "max_completion_tokens")
 COMPLETION_FIELDS = FIELDS + ("prompt",)
-# Accepted and ignored: the caller's own labels, and the stream's framing (usage always
-# rides on the last chunk).
-IGNORED = ("user", "metadata", "stream_options")
+# Accepted and ignored: the caller's own labels, the stream's framing (usage always rides on
+# the last chunk), and parallel_tool_calls (moot: tools are refused).
+IGNORED = ("user", "metadata", "stream_options", "parallel_tool_calls")
 # OpenAI fields kdj takes only at the value that leaves decoding as it is (null always does).
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}}
 CHAT_NEUTRAL = {**NEUTRAL, "tools": [], "tool_choice": "none", "functions": [],
                 "function_call": "none", "response_format": {"type": "text"},
-                "parallel_tool_calls": True, "store": False}  # fmt: skip
+                "store": False}  # fmt: skip
 COMPLETION_NEUTRAL = {**NEUTRAL, "best_of": 1, "echo": False, "suffix": ""}
 # Checked by _logprobs: valid asks are refused until the engine returns log-probabilities.
 LOGPROBS = {True: ("logprobs", "top_logprobs"), False: ("logprobs",)}
