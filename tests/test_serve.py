@@ -543,23 +543,23 @@ def refused(reply, param, *words):
         assert word in err["message"], err
 
 
-CHAT, COMPLETE = "/v1/chat/completions", "/v1/completions"
+CHATS, TEXTS = "/v1/chat/completions", "/v1/completions"  # the two endpoints
 HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
 
 def test_n_and_max_completion_tokens(server):
     bad_n = [0, -1, 1.5, True, "2", 37]  # 37: past the server's 4 slots + 32 queued
-    replies = post_many(server, [(CHAT, {**HI, "n": n}) for n in bad_n])
+    replies = post_many(server, [(CHATS, {**HI, "n": n}) for n in bad_n])
     for reply in replies:
         refused(reply, "n", "'n' must be")
     assert "in [1, 36]" in replies[-1].json()["error"]["message"]
     chat = {"messages": HI["messages"]}
     full, short, new, same, both, legacy = post_many(server, [
-        (CHAT, {**chat, "max_tokens": 12}), (CHAT, {**chat, "max_tokens": 2}),
-        (CHAT, {**chat, "max_completion_tokens": 2}),
-        (CHAT, {**chat, "max_tokens": 2, "max_completion_tokens": 2}),
-        (CHAT, {**chat, "max_tokens": 12, "max_completion_tokens": 2}),
-        (COMPLETE, {"prompt": "hi", "max_completion_tokens": 2})])  # fmt: skip
+        (CHATS, {**chat, "max_tokens": 12}), (CHATS, {**chat, "max_tokens": 2}),
+        (CHATS, {**chat, "max_completion_tokens": 2}),
+        (CHATS, {**chat, "max_tokens": 2, "max_completion_tokens": 2}),
+        (CHATS, {**chat, "max_tokens": 12, "max_completion_tokens": 2}),
+        (TEXTS, {"prompt": "hi", "max_completion_tokens": 2})])  # fmt: skip
     assert full.json()["usage"]["completion_tokens"] > 2  # so the budget of 2 cuts it
     assert new.json()["usage"]["completion_tokens"] == 2
     assert new.json()["choices"] == short.json()["choices"] == same.json()["choices"]
@@ -569,18 +569,18 @@ def test_n_and_max_completion_tokens(server):
 
 
 def test_fields_kdj_does_not_honour_are_refused(server):
-    refuse = [(CHAT, {"presence_penalty": 0.5}), (CHAT, {"frequency_penalty": -1}),
-              (COMPLETE, {"presence_penalty": 1}), (CHAT, {"logit_bias": {"5": 10}}),
-              (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}),
-              (CHAT, {"tool_choice": "auto"}), (CHAT, {"functions": [{"name": "f"}]}),
-              (CHAT, {"response_format": {"type": "json_object"}}), (COMPLETE, {"best_of": 2}),
-              (COMPLETE, {"echo": True}), (COMPLETE, {"suffix": "x"}),
-              (CHAT, {"top_k": 5}), (COMPLETE, {"messages": []})]  # fmt: skip
-    accept = [(CHAT, {"presence_penalty": 0, "frequency_penalty": None, "logprobs": False}),
-              (CHAT, {"response_format": {"type": "text"}, "user": "ann", "tools": []}),
-              (CHAT, {"stream": True, "stream_options": {"include_usage": True}}),
-              (COMPLETE, {"best_of": 1, "echo": False, "logprobs": None, "n": None})]  # fmt: skip
-    base = {CHAT: HI, COMPLETE: {"prompt": "hi", "max_tokens": 3}}
+    refuse = [(CHATS, {"presence_penalty": 0.5}), (CHATS, {"frequency_penalty": -1}),
+              (TEXTS, {"presence_penalty": 1}), (CHATS, {"logit_bias": {"5": 10}}),
+              (CHATS, {"tools": [{"type": "function", "function": {"name": "f"}}]}),
+              (CHATS, {"tool_choice": "auto"}), (CHATS, {"functions": [{"name": "f"}]}),
+              (CHATS, {"response_format": {"type": "json_object"}}), (TEXTS, {"best_of": 2}),
+              (TEXTS, {"echo": True}), (TEXTS, {"suffix": "x"}),
+              (CHATS, {"top_k": 5}), (TEXTS, {"messages": []})]  # fmt: skip
+    accept = [(CHATS, {"presence_penalty": 0, "frequency_penalty": None, "logprobs": False}),
+              (CHATS, {"response_format": {"type": "text"}, "user": "ann", "tools": []}),
+              (CHATS, {"stream": True, "stream_options": {"include_usage": True}}),
+              (TEXTS, {"best_of": 1, "echo": False, "logprobs": None, "n": None})]  # fmt: skip
+    base = {CHATS: HI, TEXTS: {"prompt": "hi", "max_tokens": 3}}
     replies = post_many(server, [(p, {**base[p], **extra}) for p, extra in refuse + accept])
     for reply, (_, extra) in zip(replies, refuse):
         (name,) = extra
@@ -591,13 +591,13 @@ def test_fields_kdj_does_not_honour_are_refused(server):
 
 def test_messages_are_checked(server):
     def chat(*messages):
-        return (CHAT, {"messages": list(messages), "max_tokens": 3})
+        return (CHATS, {"messages": list(messages), "max_tokens": 3})
 
     user = {"role": "user", "content": "hi"}
     bad = [chat({"role": "wizard", "content": "hi"}), chat({"role": "user", "content": 5}),
            chat("hi"), chat({"content": "hi"}), chat({**user, "name": "ann"}),
            chat({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}),
-           (CHAT, {"max_tokens": 3})]  # fmt: skip
+           (CHATS, {"max_tokens": 3})]  # fmt: skip
     good = [chat(user), chat({"role": "user", "content": [{"type": "text", "text": "h"},
                                                           {"type": "text", "text": "i"}]}),
             chat({"role": "system", "content": "be brief"}, user),
@@ -625,11 +625,11 @@ def test_every_error_in_openai_shape(server, monkeypatch):
     err = shape(httpx.get(server + "/v1/chat/completions"), 405, "method_not_allowed")
     assert err["type"] == "invalid_request_error" and "GET" in err["message"]
     shape(httpx.post(server + "/health"), 405, "method_not_allowed")
-    refused(httpx.post(server + COMPLETE, content=b"[1"), None, "malformed JSON")
+    refused(httpx.post(server + TEXTS, content=b"[1"), None, "malformed JSON")
 
     def broken(*args):
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(app, "parse", broken)
-    err = shape(httpx.post(server + COMPLETE, json={"prompt": "hi"}), 500, None)
+    err = shape(httpx.post(server + TEXTS, json={"prompt": "hi"}), 500, None)
     assert err["type"] == "server_error" and "a bug" in err["message"]
