@@ -355,6 +355,16 @@ def test_bad_requests_get_400_while_others_run(chat_target, server):
     assert httpx.get(server + "/v1/models").json()["data"][0]["id"] == "tiny"
 
 
+def drained(url) -> dict:
+    """/health once nothing is in flight (or after 5 s)."""
+    for _ in range(100):
+        health = httpx.get(url + "/health").json()
+        if health["in_flight"] == 0:
+            break
+        time.sleep(0.05)
+    return health
+
+
 def test_disconnect_mid_stream_frees_the_slot(chat_target, server):
     # a prompt that runs its whole budget (no end-of-turn token), so it is still running
     prompts, _ = prompts_and_budgets(chat_target, 8, seed=5)
@@ -367,13 +377,13 @@ def test_disconnect_mid_stream_frees_the_slot(chat_target, server):
     with httpx.stream("POST", server + "/v1/completions", json=body, timeout=60) as r:
         next(r.iter_lines())  # the first chunk: the request holds a slot
         assert httpx.get(server + "/health").json()["in_flight"] == 1
-    for _ in range(100):
-        if httpx.get(server + "/health").json()["in_flight"] == 0:
-            break
-        time.sleep(0.05)
-    health = httpx.get(server + "/health").json()
+    health = drained(server)
     assert health["in_flight"] == 0 and health["cancelled"] == cancelled + 1  # not run out
     assert health["width"] in (1, 4) and health["slots"] == 4  # the ladder of a pool of 4
+    with httpx.stream("POST", server + "/v1/completions", json={**body, "n": 2}, timeout=60) as r:
+        next(r.iter_lines())  # both choices hold a slot; the disconnect frees both
+    health = drained(server)
+    assert health["in_flight"] == 0 and health["cancelled"] == cancelled + 3
     reply = httpx.post(server + "/v1/completions", json={"prompt": "ok", "max_tokens": 3})
     assert reply.status_code == 200
 
@@ -454,3 +464,173 @@ def test_stop_strings_and_sampling(server):
     assert sampled.status_code == 200 and sampled.json()["usage"]["completion_tokens"] >= 1
     again = httpx.post(server + "/v1/completions", json=body, timeout=60).json()["choices"][0]
     assert again["text"] == text  # greedy again after the pool ran sampled
+
+
+# ------------------------------------------------------------- OpenAI's API, its client
+def openai_client(url):
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def streamed_choices(chunks) -> dict[int, str]:
+    """The text of each choice index of a chat stream."""
+    texts = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    return texts
+
+
+def test_openai_client_chat_streaming_n_and_logprobs(server):
+    import openai
+
+    client = openai_client(server)
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=10)
+    whole = client.chat.completions.create(**ask)
+    (choice,) = whole.choices
+    text = choice.message.content
+    assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    assert streamed_choices(client.chat.completions.create(**ask, stream=True)) == {0: text}
+    three = client.chat.completions.create(**ask, n=3)  # greedy: three equal choices
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert [c.message.content for c in three.choices] == [text] * 3
+    assert three.usage.completion_tokens == 3 * whole.usage.completion_tokens
+    assert three.usage.prompt_tokens == whole.usage.prompt_tokens
+    chunks = list(client.chat.completions.create(**ask, n=3, stream=True))
+    assert streamed_choices(chunks) == {0: text, 1: text, 2: text}
+    finished = [c.index for chunk in chunks for c in chunk.choices if c.finish_reason]
+    assert sorted(finished) == [0, 1, 2]
+    with pytest.raises(openai.BadRequestError, match="log-probabilities") as e:
+        client.chat.completions.create(**ask, logprobs=True)
+    assert e.value.param == "logprobs" and e.value.status_code == 400
+    with pytest.raises(openai.BadRequestError, match="log-probabilities"):
+        client.chat.completions.create(**ask, top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="log-probabilities"):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2, logprobs=1)
+    assert client.chat.completions.create(**ask, logprobs=False).choices[0].message.content == text
+
+
+def post_many(url, requests):
+    """(path, body) pairs posted at once: their replies."""
+
+    async def go():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            return await asyncio.gather(*(client.post(p, json=b) for p, b in requests))
+
+    return asyncio.run(go())
+
+
+def test_sampled_choices_differ_and_keep_the_seed(server):
+    body = {"prompt": "the cat", "max_tokens": 8, "temperature": 0.8, "top_p": 0.9, "seed": 3}
+    one, three, again, unseeded = post_many(server, [
+        ("/v1/completions", body), ("/v1/completions", {**body, "n": 3}),
+        ("/v1/completions", {**body, "n": 3}),
+        ("/v1/completions", {**body, "n": 3, "seed": None})])  # fmt: skip
+    texts = [c["text"] for c in three.json()["choices"]]
+    assert len(set(texts)) == 3  # a seed per choice
+    assert texts[0] == one.json()["choices"][0]["text"]  # choice 0 keeps the request's seed
+    assert [c["text"] for c in again.json()["choices"]] == texts
+    assert len({c["text"] for c in unseeded.json()["choices"]}) == 3
+
+
+def refused(reply, param, *words):
+    """A 400 in OpenAI's error shape naming `param` and saying each of `words`."""
+    assert reply.status_code == 400, reply.text
+    err = reply.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
+    for word in words:
+        assert word in err["message"], err
+
+
+CHATS, TEXTS = "/v1/chat/completions", "/v1/completions"  # the two endpoints
+HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+def test_n_and_max_completion_tokens(server):
+    bad_n = [0, -1, 1.5, True, "2", 37]  # 37: past the server's 4 slots + 32 queued
+    replies = post_many(server, [(CHATS, {**HI, "n": n}) for n in bad_n])
+    for reply in replies:
+        refused(reply, "n", "'n' must be")
+    assert "in [1, 36]" in replies[-1].json()["error"]["message"]
+    chat = {"messages": HI["messages"]}
+    full, short, new, same, both, legacy = post_many(server, [
+        (CHATS, {**chat, "max_tokens": 12}), (CHATS, {**chat, "max_tokens": 2}),
+        (CHATS, {**chat, "max_completion_tokens": 2}),
+        (CHATS, {**chat, "max_tokens": 2, "max_completion_tokens": 2}),
+        (CHATS, {**chat, "max_tokens": 12, "max_completion_tokens": 2}),
+        (TEXTS, {"prompt": "hi", "max_completion_tokens": 2})])  # fmt: skip
+    assert full.json()["usage"]["completion_tokens"] > 2  # so the budget of 2 cuts it
+    assert new.json()["usage"]["completion_tokens"] == 2
+    assert new.json()["choices"] == short.json()["choices"] == same.json()["choices"]
+    assert new.json()["choices"][0]["finish_reason"] == "length"
+    refused(both, "max_completion_tokens", "'max_completion_tokens' (2) and 'max_tokens' (12)")
+    refused(legacy, "max_completion_tokens", "unrecognized field")
+
+
+def test_fields_kdj_does_not_honour_are_refused(server):
+    refuse = [(CHATS, {"presence_penalty": 0.5}), (CHATS, {"frequency_penalty": -1}),
+              (TEXTS, {"presence_penalty": 1}), (CHATS, {"logit_bias": {"5": 10}}),
+              (CHATS, {"tools": [{"type": "function", "function": {"name": "f"}}]}),
+              (CHATS, {"tool_choice": "auto"}), (CHATS, {"functions": [{"name": "f"}]}),
+              (CHATS, {"response_format": {"type": "json_object"}}), (TEXTS, {"best_of": 2}),
+              (TEXTS, {"echo": True}), (TEXTS, {"suffix": "x"}),
+              (CHATS, {"top_k": 5}), (TEXTS, {"messages": []})]  # fmt: skip
+    accept = [(CHATS, {"presence_penalty": 0, "frequency_penalty": None, "logprobs": False}),
+              (CHATS, {"response_format": {"type": "text"}, "user": "ann", "tools": []}),
+              (CHATS, {"stream": True, "stream_options": {"include_usage": True}}),
+              (TEXTS, {"best_of": 1, "echo": False, "logprobs": None, "n": None})]  # fmt: skip
+    base = {CHATS: HI, TEXTS: {"prompt": "hi", "max_tokens": 3}}
+    replies = post_many(server, [(p, {**base[p], **extra}) for p, extra in refuse + accept])
+    for reply, (_, extra) in zip(replies, refuse):
+        (name,) = extra
+        refused(reply, name, f"'{name}'")
+    for reply in replies[len(refuse) :]:
+        assert reply.status_code == 200, reply.text
+
+
+def test_messages_are_checked(server):
+    def chat(*messages):
+        return (CHATS, {"messages": list(messages), "max_tokens": 3})
+
+    user = {"role": "user", "content": "hi"}
+    bad = [chat({"role": "wizard", "content": "hi"}), chat({"role": "user", "content": 5}),
+           chat("hi"), chat({"content": "hi"}), chat({**user, "name": "ann"}),
+           chat({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}),
+           (CHATS, {"max_tokens": 3})]  # fmt: skip
+    good = [chat(user), chat({"role": "user", "content": [{"type": "text", "text": "h"},
+                                                          {"type": "text", "text": "i"}]}),
+            chat({"role": "system", "content": "be brief"}, user),
+            chat({"role": "developer", "content": "be brief"}, user),
+            chat({"role": "assistant", "content": "hello", "tool_calls": None}, user)]  # fmt: skip
+    replies = post_many(server, bad + good)
+    for reply, word in zip(replies, ["role", "content", "object", "role", "name", "text only",
+                                     "non-empty list"]):  # fmt: skip
+        refused(reply, "messages", word)
+    text = [r.json()["choices"][0]["message"]["content"] for r in replies[len(bad) :]]
+    assert text[0] == text[1] and text[2] == text[3]  # parts joined; developer as system
+
+
+def test_every_error_in_openai_shape(server, monkeypatch):
+    from kdj.serve import app
+
+    def shape(reply, status, code):
+        assert reply.status_code == status, reply.text
+        assert set(reply.json()) == {"error"}
+        err = reply.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == code
+        return err
+
+    assert "/nope" in shape(httpx.get(server + "/nope"), 404, "not_found")["message"]
+    err = shape(httpx.get(server + "/v1/chat/completions"), 405, "method_not_allowed")
+    assert err["type"] == "invalid_request_error" and "GET" in err["message"]
+    shape(httpx.post(server + "/health"), 405, "method_not_allowed")
+    refused(httpx.post(server + TEXTS, content=b"[1"), None, "malformed JSON")
+
+    def broken(*args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(app, "parse", broken)
+    err = shape(httpx.post(server + TEXTS, json={"prompt": "hi"}), 500, None)
+    assert err["type"] == "server_error" and "a bug" in err["message"]

@@ -1,9 +1,11 @@
 """The OpenAI-compatible FastAPI app over a `Worker` (kdj/serve/worker.py).
 
-Errors: a bad body -> 400 with the reason, a full queue -> 503, a failed engine step -> 500
-for the requests it held; the server keeps serving. A client that disconnects cancels its
-request, which frees its slot at the engine's next turn.
-"""
+Errors, all in OpenAI's shape {"error": {message, type, param, code}}: a bad body -> 400
+naming the field at fault (a field kdj does not honour is refused, never ignored), an
+unknown path 404, a wrong method 405, a full queue -> 503, a failed engine step -> 500 for
+the requests it held; the server keeps serving. A request's `n` choices are n engine
+requests. A client that disconnects cancels them, which frees their slots at the engine's
+next turn."""
 
 from __future__ import annotations
 
@@ -15,12 +17,14 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from tqdm import tqdm
 
 from kdj import api
 from kdj.decode.engine import SERVE_WAKE_SHARE, Engine, Update
-from kdj.serve.text import Parsed, Served, TextStream, parse
+from kdj.serve.text import MAX_N, Parsed, Served, TextStream, parse
 from kdj.serve.worker import Overloaded, Ticket, Worker
 
 POLL_S = 0.5  # how often a non-streaming handler checks that its client is still there
@@ -44,8 +48,15 @@ class LoopLag:
             self.max_s = max(self.max_s, lag)
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
+def error_body(message: str, kind: str, param=None, code=None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error", param=None,
+          code=None, headers=None) -> JSONResponse:  # fmt: skip
+    """An error in OpenAI's shape."""
+    body = error_body(message, kind, param, code)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def build_app(worker: Worker, served: Served) -> FastAPI:
@@ -60,6 +71,24 @@ def build_app(worker: Worker, served: Served) -> FastAPI:
         worker.stop()  # after uvicorn's graceful shutdown: cancels what is still running
 
     app = FastAPI(title="kdj", lifespan=lifespan)
+
+    # every error in OpenAI's shape, not FastAPI's {"detail": ...}
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        where = f"{request.method} {request.url.path}"
+        messages = {404: f"no such endpoint: {where}", 405: f"method not allowed: {where}"}
+        message = messages.get(exc.status_code, str(exc.detail))
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error(exc.status_code, message, kind, code=code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        return error(400, f"invalid request: {exc.errors()}")
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception):
+        return error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
 
     @app.get("/health")
     async def health():
@@ -94,62 +123,65 @@ def build_app(worker: Worker, served: Served) -> FastAPI:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return error(400, f"malformed JSON: {e}")
+        tickets = []
         try:
             parsed = parse(body, served, chat)
-            ticket = worker.submit(parsed.request)
-        except ValueError as e:
-            return error(400, str(e))
-        except Overloaded as e:
-            return error(503, str(e), "server_overloaded")
+            for r in parsed.requests:  # one engine request per choice
+                tickets.append(worker.submit(r))
+        except (ValueError, Overloaded) as e:
+            for ticket in tickets:  # the choices queued before the refusal
+                worker.cancel(ticket)
+            if isinstance(e, Overloaded):
+                return error(503, str(e), "server_overloaded")
+            return error(400, str(e), param=getattr(e, "param", None),
+                         code=getattr(e, "code", None))  # fmt: skip
         reply = Reply(served, parsed, chat)
+        choices = Choices(worker, tickets)
         if parsed.stream:
-            return StreamingResponse(stream(ticket, reply), media_type="text/event-stream")
-        return await complete(request, ticket, reply)
+            return StreamingResponse(stream(choices, reply), media_type="text/event-stream")
+        return await complete(request, choices, reply)
 
-    async def complete(request: Request, ticket: Ticket, reply: Reply):
-        text = []
+    async def complete(request: Request, choices: Choices, reply: Reply):
+        text = [[] for _ in choices.tickets]
         try:
-            while True:
+            while choices.running:
                 try:
-                    item = await asyncio.wait_for(ticket.updates.get(), POLL_S)
+                    item = await asyncio.wait_for(choices.arrivals.get(), POLL_S)
                 except TimeoutError:
                     if await request.is_disconnected():
-                        worker.cancel(ticket)
                         return error(499, "client disconnected")
                     continue
                 if isinstance(item, Exception):
                     return error(500, str(item), "server_error")
-                text.append(reply.feed(item))
-                if item.finished or reply.text.stopped:
-                    break
-        except asyncio.CancelledError:
-            worker.cancel(ticket)
-            raise
-        if not item.finished:
-            worker.cancel(ticket)  # a stop string ended the text before the engine did
-        return reply.whole("".join(text))
+                i = choices.index(item)
+                if i in choices.running:  # else its text ended at a stop string
+                    text[i].append(reply.feed(i, item))
+                    if item.finished or reply.texts[i].stopped:
+                        choices.end(i, item.finished)
+        finally:  # a disconnect, a failure or a cancelled handler: free the slots
+            choices.close()
+        return reply.whole(["".join(t) for t in text])
 
-    async def stream(ticket: Ticket, reply: Reply):
-        finished = False
+    async def stream(choices: Choices, reply: Reply):
         try:
-            while True:
-                item = await ticket.updates.get()
+            while choices.running:
+                item = await choices.arrivals.get()
                 if isinstance(item, Exception):
-                    finished = True
-                    yield sse({"error": {"message": str(item), "type": "server_error"}})
-                    break
-                finished = item.finished
-                delta = reply.feed(item)
-                done = item.finished or reply.text.stopped
+                    yield sse(error_body(str(item), "server_error"))
+                    return
+                i = choices.index(item)
+                if i not in choices.running:  # its text ended at a stop string
+                    continue
+                delta = reply.feed(i, item)
                 if delta:
-                    yield sse(reply.chunk(delta, None))
-                if done:
-                    yield sse(reply.chunk("", reply.text.finish_reason, usage=True))
-                    yield "data: [DONE]\n\n"
-                    break
-        finally:
-            if not finished:  # disconnected, or a stop string: free the slot
-                worker.cancel(ticket)
+                    yield sse(reply.chunk(i, delta, None))
+                if item.finished or reply.texts[i].stopped:
+                    choices.end(i, item.finished)
+                    finish = reply.texts[i].finish_reason  # the last chunk carries usage
+                    yield sse(reply.chunk(i, "", finish, usage=not choices.running))
+            yield "data: [DONE]\n\n"
+        finally:  # disconnected, or failed: free the slots
+            choices.close()
 
     return app
 
@@ -158,47 +190,90 @@ def sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
+class Choices:
+    """The engine requests of one reply's n choices: their updates in the order they come,
+    and freeing the slots of those still running."""
+
+    def __init__(self, worker: Worker, tickets: list[Ticket]):
+        self.worker, self.tickets = worker, tickets
+        self.running = set(range(len(tickets)))  # the choices whose text is not complete
+        self._pumps = []
+        if len(tickets) == 1:
+            self.arrivals = tickets[0].updates
+        else:  # a task per choice forwards its updates into one queue
+            self.arrivals = asyncio.Queue()
+            self._pumps = [asyncio.create_task(self._pump(t)) for t in tickets]
+
+    async def _pump(self, ticket: Ticket) -> None:
+        while True:
+            item = await ticket.updates.get()
+            self.arrivals.put_nowait(item)
+            if isinstance(item, Exception) or item.finished:
+                return
+
+    def index(self, update: Update) -> int:
+        """The choice an update belongs to."""
+        return next(i for i, t in enumerate(self.tickets) if t.request.id == update.id)
+
+    def end(self, i: int, finished: bool) -> None:
+        """Choice i's text is complete; `finished`: the engine ended it too (else a stop
+        string did, and its slot is freed now)."""
+        self.running.discard(i)
+        if not finished:
+            self.worker.cancel(self.tickets[i])
+
+    def close(self) -> None:
+        for pump in self._pumps:
+            pump.cancel()
+        for i in self.running:
+            self.worker.cancel(self.tickets[i])
+        self.running.clear()
+
+
 class Reply:
-    """The response objects of one request (OpenAI's shapes), with usage and decode stats."""
+    """The response objects of one request (OpenAI's shapes, a choice per engine request),
+    with usage and decode stats summed over the choices."""
 
     def __init__(self, served: Served, parsed: Parsed, chat: bool):
         self.served, self.chat = served, chat
-        self.prompt_tokens = len(parsed.request.tokens)
-        self.text = TextStream(served, parsed.stops)
+        self.prompt_tokens = len(parsed.requests[0].tokens)  # one prompt for every choice
+        self.texts = [TextStream(served, parsed.stops) for _ in parsed.requests]
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
-        self.steps = 0  # the engine's steps for this request so far
+        self.steps = [0] * len(parsed.requests)  # the engine's steps per choice so far
 
-    def feed(self, update: Update) -> str:
-        """The text delta of an engine update."""
-        self.steps = update.steps
-        return self.text.feed(update.tokens, update.finished)
+    def feed(self, i: int, update: Update) -> str:
+        """The text delta of an engine update to choice i."""
+        self.steps[i] = update.steps
+        return self.texts[i].feed(update.tokens, update.finished)
 
     def usage(self) -> dict:
-        n = len(self.text.tokens)
-        # tokens per step: prefill gives the first token, each step one or more
-        mean = (n - 1) / self.steps if self.steps else None
-        stats = {"method": self.served.method, "steps": self.steps, "mean_acceptance": mean}
+        counts = [len(t.tokens) for t in self.texts]
+        n, steps = sum(counts), sum(self.steps)
+        # tokens per step: prefill gives each choice its first token, each step one or more
+        mean = sum(max(c - 1, 0) for c in counts) / steps if steps else None
+        stats = {"method": self.served.method, "steps": steps, "mean_acceptance": mean}
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n,
                 "total_tokens": self.prompt_tokens + n, "kdj": stats}  # fmt: skip
 
-    def _choice(self, text, finish, delta: bool) -> dict:
+    def _choice(self, i: int, text, finish, delta: bool) -> dict:
         if not self.chat:
-            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            return {"index": i, "text": text, "finish_reason": finish, "logprobs": None}
         key = "delta" if delta else "message"
-        return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": finish}
+        return {"index": i, key: {"role": "assistant", "content": text}, "finish_reason": finish}
 
-    def whole(self, text: str) -> dict:
+    def whole(self, texts: list[str]) -> dict:
+        choices = [self._choice(i, text, t.finish_reason, delta=False)
+                   for i, (text, t) in enumerate(zip(texts, self.texts))]  # fmt: skip
         return {"id": self.id, "object": self.object, "created": self.created,
-                "model": self.served.model,
-                "choices": [self._choice(text, self.text.finish_reason, delta=False)],
+                "model": self.served.model, "choices": choices,
                 "usage": self.usage()}  # fmt: skip
 
-    def chunk(self, text: str, finish, usage: bool = False) -> dict:
+    def chunk(self, i: int, text: str, finish, usage: bool = False) -> dict:
         obj = {"id": self.id, "created": self.created, "model": self.served.model,
                "object": "chat.completion.chunk" if self.chat else "text_completion",
-               "choices": [self._choice(text, finish, delta=True)]}  # fmt: skip
+               "choices": [self._choice(i, text, finish, delta=True)]}  # fmt: skip
         if usage:
             obj["usage"] = self.usage()
         return obj
@@ -239,5 +314,6 @@ def make_app(target, name: str, *, drafter=None, method: str = "ar", block_size=
                 bar.update(done - bar.n)
 
             engine.warm(warm, progress=tick)
-    served = Served(name, tok, stop_ids, cap, temperature, top_p, engine.method)
+    max_n = min(MAX_N, max_batch + max_queue)  # more choices than that never run at once
+    served = Served(name, tok, stop_ids, cap, temperature, top_p, engine.method, max_n)
     return build_app(Worker(engine, max_queue), served)

@@ -9,6 +9,33 @@ from kdj.decode.engine import Request
 from kdj.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_N = 64  # choices per request; a server also caps it at its slots + queue
+SEED_STRIDE = 0x9E3779B9  # odd: choice i's seed (seed + i * stride) differs for every i < 2**32
+
+# The OpenAI fields kdj honours, per endpoint (a body with any other field is refused).
+FIELDS = ("model", "max_tokens", "temperature", "top_p", "stream", "stop", "seed", "n")
+CHAT_FIELDS = FIELDS + ("messages", "max_completion_tokens")
+COMPLETION_FIELDS = FIELDS + ("prompt",)
+# Accepted and ignored: the caller's own labels, the stream's framing (usage always rides on
+# the last chunk), and parallel_tool_calls (moot: tools are refused).
+IGNORED = ("user", "metadata", "stream_options", "parallel_tool_calls")
+# OpenAI fields kdj takes only at the value that leaves decoding as it is (null always does).
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}}
+CHAT_NEUTRAL = {**NEUTRAL, "tools": [], "tool_choice": "none", "functions": [],
+                "function_call": "none", "response_format": {"type": "text"},
+                "store": False}  # fmt: skip
+COMPLETION_NEUTRAL = {**NEUTRAL, "best_of": 1, "echo": False, "suffix": ""}
+# Checked by _logprobs: valid asks are refused until the engine returns log-probabilities.
+LOGPROBS = {True: ("logprobs", "top_logprobs"), False: ("logprobs",)}
+ROLES = ("system", "developer", "user", "assistant")
+
+
+class Invalid(ValueError):
+    """A bad request (HTTP 400): `param` names the field at fault, `code` OpenAI's kind."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,80 +49,171 @@ class Served:
     temperature: float
     top_p: float
     method: str = "ar"  # what the engine runs: ar, dflash, ddtree or auto (usage reports it)
+    max_n: int = MAX_N  # the most choices one request may ask for
 
 
 class Parsed(NamedTuple):
-    request: Request
+    requests: tuple[Request, ...]  # one engine request per choice (OpenAI's `n`)
     stream: bool
     stops: tuple[str, ...]  # stop strings: the text is cut before the first
 
 
 def _number(body, name, default, lo, hi, lo_open=False) -> float:
     x = body.get(name, default)
-    if x is None:
-        x = default
     if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise ValueError(f"'{name}' must be a number, got {x!r}")
+        raise Invalid(f"'{name}' must be a number, got {x!r}", name)
     if x < lo or x > hi or (lo_open and x == lo):
-        raise ValueError(f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {x}")
+        interval = f"{'(' if lo_open else '['}{lo}, {hi}]"
+        raise Invalid(f"'{name}' must be in {interval}, got {x}", name)
     return float(x)
 
 
-def _integer(body, name, default, lo) -> int:
+def _integer(body, name, default, lo, hi=None) -> int:
     x = body.get(name, default)
-    if x is None:
-        x = default
     if isinstance(x, bool) or not isinstance(x, int):
-        raise ValueError(f"'{name}' must be an integer, got {x!r}")
-    if x < lo:
-        raise ValueError(f"'{name}' must be >= {lo}, got {x}")
+        raise Invalid(f"'{name}' must be an integer, got {x!r}", name)
+    if x < lo or (hi is not None and x > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise Invalid(f"'{name}' must be {bound}, got {x}", name)
     return x
 
 
+def _check_fields(body: dict, chat: bool) -> None:
+    """Refuse any field kdj would otherwise ignore: unknown ones, and OpenAI's it does not
+    honour at a value other than their neutral one."""
+    honoured = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    neutral = CHAT_NEUTRAL if chat else COMPLETION_NEUTRAL
+    known = (*honoured, *IGNORED, *neutral, *LOGPROBS[chat])
+    for name, value in body.items():
+        if name not in known:
+            endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+            raise Invalid(f"unrecognized field '{name}' for {endpoint}; kdj takes "
+                          f"{', '.join(honoured)}", name, "unknown_parameter")  # fmt: skip
+        if name in neutral and value is not None and value != neutral[name]:
+            why = f"leave it out or send {neutral[name]!r}, got {value!r}"
+            raise Invalid(f"'{name}' is not supported by kdj: {why}", name,
+                          "unsupported_parameter")  # fmt: skip
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """The log-probabilities the request asks for: None (none), else how many alternatives
+    per token (0: the chosen token's only)."""
+    if chat:
+        wanted = body.get("logprobs", False)
+        if not isinstance(wanted, bool):
+            raise Invalid(f"'logprobs' must be true or false, got {wanted!r}", "logprobs")
+        if "top_logprobs" in body:
+            return _integer(body, "top_logprobs", 0, 0, 20)
+        return 0 if wanted else None
+    return _integer(body, "logprobs", 0, 0, 5) if "logprobs" in body else None
+
+
+def _content(m: dict, i: int) -> str:
+    """A message's text: a string, or OpenAI's list of text parts joined."""
+    content = m.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        kinds = {p.get("type") for p in content}
+        if kinds <= {"text"} and all(isinstance(p.get("text"), str) for p in content):
+            return "".join(p["text"] for p in content)
+        raise Invalid(f"messages[{i}].content: kdj serves text only (parts of type "
+                      f"'text' with a string 'text'), got types {sorted(map(str, kinds))}",
+                      "messages")  # fmt: skip
+    raise Invalid(f"messages[{i}].content must be a string or a list of text parts, got "
+                  f"{content!r}", "messages")  # fmt: skip
+
+
+def _messages(body: dict) -> list[dict]:
+    """The chat's messages as the chat template takes them ({role, content: str})."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise Invalid("'messages' must be a non-empty list of {role, content}", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise Invalid(f"messages[{i}] must be an object {{role, content}}, got {m!r}",
+                          "messages")  # fmt: skip
+        m = {k: v for k, v in m.items() if v is not None}  # null: absent, as OpenAI
+        extra = sorted(set(m) - {"role", "content"})
+        if extra:
+            raise Invalid(f"messages[{i}] has fields kdj does not support: {extra} (it takes "
+                          "role and content)", "messages")  # fmt: skip
+        if m.get("role") not in ROLES:
+            raise Invalid(f"messages[{i}].role must be one of {', '.join(ROLES)}, got "
+                          f"{m.get('role')!r}", "messages")  # fmt: skip
+        # developer messages are what OpenAI's newer models call the system prompt
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": _content(m, i)})
+    return out
+
+
+def _max_tokens(body: dict, served: Served) -> int:
+    """max_completion_tokens (chat) supersedes the older max_tokens; both must then agree."""
+    new, old = body.get("max_completion_tokens"), body.get("max_tokens")
+    if new is not None and old is not None and new != old:
+        raise Invalid(f"'max_completion_tokens' ({new!r}) and 'max_tokens' ({old!r}) differ; "
+                      "send one ('max_tokens' is its older name)",
+                      "max_completion_tokens")  # fmt: skip
+    name = "max_completion_tokens" if new is not None else "max_tokens"
+    return _integer(body, name, served.max_tokens, 1)
+
+
+def _seeds(seed: int | None, n: int) -> list[int | None]:
+    """A seed per choice, so sampled choices differ: without a request seed the engine
+    derives one from each request's id."""
+    if seed is None:
+        return [None] * n
+    return [(seed + i * SEED_STRIDE) % 2**32 for i in range(n)]
+
+
 def parse(body: Any, served: Served, chat: bool) -> Parsed:
-    """ValueError naming the first thing wrong with the body."""
+    """Invalid (a ValueError) naming the first thing wrong with the body."""
     if not isinstance(body, dict):
-        raise ValueError("the body must be a JSON object")
+        raise Invalid("the body must be a JSON object")
+    _check_fields(body, chat)
+    body = {k: v for k, v in body.items() if v is not None}  # null: the default, as OpenAI
+    if _logprobs(body, chat) is not None:  # the engine computes no log-probabilities yet
+        raise Invalid("kdj does not return log-probabilities yet: leave out 'logprobs'"
+                      + (" and 'top_logprobs'" if chat else ""), "logprobs",
+                      "unsupported_parameter")  # fmt: skip
     model = body.get("model", served.model)
     if model != served.model:
-        raise ValueError(f"unknown model {model!r}; this server serves {served.model!r}")
+        raise Invalid(f"unknown model {model!r}; this server serves {served.model!r}", "model",
+                      "model_not_found")  # fmt: skip
     tok = served.tokenizer
     if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("'messages' must be a non-empty list of {role, content}")
-        tokens = tok.encode(tok.apply_chat_template(messages))
+        tokens = tok.encode(tok.apply_chat_template(_messages(body)))
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             tokens = tok.encode(prompt)
         elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
             if not all(0 <= t < tok.vocab_size for t in prompt):
-                raise ValueError(f"prompt token ids must be in [0, {tok.vocab_size})")
+                raise Invalid(f"prompt token ids must be in [0, {tok.vocab_size})", "prompt")
             tokens = list(prompt)
         else:
-            raise ValueError("'prompt' must be a string or a list of token ids (one prompt)")
-    stop = body.get("stop") or []
+            raise Invalid("'prompt' must be a string or a list of token ids (one prompt)",
+                          "prompt")  # fmt: skip
+    stop = body.get("stop", [])
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise ValueError("'stop' must be a non-empty string or a list of them")
+        raise Invalid("'stop' must be a non-empty string or a list of them", "stop")
     if len(stop) > MAX_STOP_STRINGS:
-        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+        raise Invalid(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", "stop")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise ValueError("'stream' must be true or false")
-    seed = _integer(body, "seed", 0, 0) if body.get("seed") is not None else None
-    if seed is not None and seed >= 2**32:
-        raise ValueError(f"'seed' must be below 2**32, got {seed}")
-    request = Request(
-        tokens=tokens,
-        max_new=_integer(body, "max_tokens", served.max_tokens, 1),
-        stop=list(served.stop_ids),
-        temperature=_number(body, "temperature", served.temperature, 0.0, 100.0),
-        top_p=_number(body, "top_p", served.top_p, 0.0, 1.0, lo_open=True),
-        seed=seed,
-    )
-    return Parsed(request, stream, tuple(stop))
+        raise Invalid("'stream' must be true or false", "stream")
+    if not isinstance(body.get("stream_options", {}), dict):
+        raise Invalid("'stream_options' must be an object", "stream_options")
+    seed = _integer(body, "seed", 0, 0, 2**32 - 1) if "seed" in body else None
+    n = _integer(body, "n", 1, 1, served.max_n)
+    max_new = _max_tokens(body, served)
+    temperature = _number(body, "temperature", served.temperature, 0.0, 100.0)
+    top_p = _number(body, "top_p", served.top_p, 0.0, 1.0, lo_open=True)
+    requests = tuple(Request(list(tokens), max_new, list(served.stop_ids), temperature, top_p, s)
+                     for s in _seeds(seed, n))  # fmt: skip
+    return Parsed(requests, stream, tuple(stop))
 
 
 class TextStream:
