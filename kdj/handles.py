@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,13 @@ from kdj.tokenizer import Tokenizer
 class Executables:
     """Ahead-of-time compiled programs, one per (function, argument signature, statics),
     least recently used dropped past `capacity`. Compiling ahead of time lets generate()
-    report compile time apart from prefill and decode time."""
+    report compile time apart from prefill and decode time. Threads may compile at once (a
+    server warming its pool): the table is locked, the compiles are not."""
 
     def __init__(self, capacity: int = 128):  # a serving pool: widths x admission buckets
         self.capacity = capacity
         self._programs: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
 
     def get(self, fn, *args, options: dict | None = None, **static):
         """The compiled `fn` for these arguments (compiled on first use, with XLA compiler
@@ -42,13 +45,15 @@ class Executables:
         options = dict(options or {})
         key = (fn, treedef, tuple(sig(x) for x in leaves), tuple(sorted(static.items())),
                tuple(sorted(options.items())))  # fmt: skip
-        if key in self._programs:
-            self._programs.move_to_end(key)
-            return self._programs[key]
+        with self._lock:
+            if key in self._programs:
+                self._programs.move_to_end(key)
+                return self._programs[key]
         program = fn.lower(*args, **static).compile(options or None)
-        self._programs[key] = program
-        while len(self._programs) > self.capacity:
-            self._programs.popitem(last=False)
+        with self._lock:
+            self._programs[key] = program
+            while len(self._programs) > self.capacity:
+                self._programs.popitem(last=False)
         return program
 
     def compiled(self, fn) -> list:

@@ -69,19 +69,19 @@ def cmd_bench_serve(args) -> int:
     with needs("serve"):
         from kdj.serve import bench
 
-    if args.prompts:  # eval_prompts.json written by train-drafter
-        prompts = json.loads(Path(args.prompts).read_text())["sharegpt"]
-    else:
-        from kdj.train.data import sharegpt_split
+    from kdj.serve import prompts as sources
 
-        with needs("train"):
-            prompts = [m for _, m in sharegpt_split()[1]]
+    if args.prompts:
+        prompts = sources.from_file(args.prompts)
+    else:
+        prompts, origin = sources.default(seed=args.seed)
+        print(f"prompts: {origin}")
     lo, hi = (args.max_tokens * 2)[:2] if len(args.max_tokens) == 1 else args.max_tokens
     if not 1 <= lo <= hi:
         raise ValueError(f"--max-tokens: need 1 <= lo <= hi, got {args.max_tokens}")
     report = bench.run(args.url, prompts, args.concurrency, (lo, hi), args.requests,
                        seed=args.seed, model=args.model, warmup=not args.no_warmup,
-                       waves=args.waves)  # fmt: skip
+                       waves=args.waves, procs=args.procs)  # fmt: skip
     print(bench.table(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
@@ -112,8 +112,9 @@ def add_parsers(sub) -> None:
     v.add_argument(
         "--max-queue", type=values.POSITIVE, default=64, help="waiting requests (default: 64)"
     )
-    v.add_argument("--chunk-steps", type=values.POSITIVE, default=16,
-                   help="device steps between host turns (default: 16)")  # fmt: skip
+    v.add_argument("--chunk-steps", type=values.POSITIVE,
+                   help="device steps between host turns (default: 4 at widths up to 16, "
+                   "then a quarter of the width, at most 16)")  # fmt: skip
     v.add_argument("--widths", type=values.POSITIVE, nargs="+",
                    help="compiled widths the pool runs at, ending at --max-batch (default: "
                    "1 4 16 ... below it; --widths N with N = --max-batch: one width)")  # fmt: skip
@@ -139,7 +140,10 @@ def add_parsers(sub) -> None:
                    "arrives at once, later ones show the steady state (default: 1)")  # fmt: skip
     w.add_argument("--max-tokens", type=values.POSITIVE, nargs="+", default=[128],
                    help="output length N, or LO HI drawn uniformly (default: 128)")  # fmt: skip
-    w.add_argument("--prompts", help="eval_prompts.json (default: held-out ShareGPT)")
+    w.add_argument("--prompts", help="a JSON list of prompts, or eval_prompts.json (default: "
+                   "held-out ShareGPT with kdj[train], else synthetic requests)")  # fmt: skip
+    w.add_argument("--procs", type=values.POSITIVE,
+                   help="client processes per level (default: one per 64 clients)")  # fmt: skip
     w.add_argument("--model", help="model id (default: the server's first)")
     w.add_argument(
         "--seed", type=values.SEED, default=0, help="seed of prompt and length draws (default: 0)"

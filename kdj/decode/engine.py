@@ -37,9 +37,11 @@ drafted step.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import math
+import os
 import time
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -379,10 +381,13 @@ class Engine:
                 self.priors[width]))  # fmt: skip
         return self._axes[width]
 
-    def warm(self, modes: tuple[bool, ...] = (True, False), progress=None) -> int:
+    def warm(self, modes: tuple[bool, ...] = (True, False), progress=None,
+             threads: int | None = None) -> int:  # fmt: skip
         """Compile every program the pool can meet, ahead of the first request (a server
         calls it before it answers /health): for each greedy mode of `modes`, each width's
         chunk and prefill (per rows bucket), and the resize between every pair of widths.
+        `threads` compile at once (default: up to 8, one per two cores; XLA's compiles are
+        mostly one thread each), over the pools' shapes alone (no pool is allocated).
         progress(done, total), if given, is called after each. Returns the programs
         compiled or found."""
         tg, ts, dg, ds = self._graphs()
@@ -393,16 +398,20 @@ class Engine:
                 jobs.append(("chunk", w, plan))
                 jobs += [("prefill", w, plan, a) for a in self._row_buckets(w)]
         jobs += [("resize", a, b) for a in self.widths for b in self.widths if a != b]
-        pools = {}
+        on_device = jnp.zeros(()).sharding  # where the pool's arrays will be: part of the key
 
-        def empty(w):
-            if w not in pools:
-                pools.clear()  # at most one pool of each kind alive: they can be large
-                pools[w] = self._empty(w)
-            return pools[w]
+        def shaped(x):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_device,
+                                        weak_type=x.weak_type)  # fmt: skip
 
+        pools = {w: jax.tree.map(shaped, jax.eval_shape(lambda w=w: self._empty(w)))
+                 for w in self.widths}  # fmt: skip
+        for w in self.widths:  # each width's slot axes, before the threads
+            self._slot_axes(w)
         get = self.target.executables.get
-        for i, job in enumerate(jobs):
+
+        def compile_(job):
+            empty = pools.__getitem__
             if job[0] == "chunk":
                 _, w, plan = job
                 self._chunk_program(empty(w), w, plan)
@@ -414,11 +423,17 @@ class Engine:
             else:
                 _, a, b = job
                 src = empty(a)
-                args = (src, self._empty(b), jnp.zeros((b,), jnp.int32), self.priors[b])
+                args = (src, empty(b), jnp.zeros((b,), jnp.int32), self.priors[b])
                 get(resize, *args, axes=self._slot_axes(b), src=self.plans[a],
                     dst=self.plans[b])  # fmt: skip
-            if progress is not None:
-                progress(i + 1, len(jobs))
+
+        threads = threads or max(1, min(8, (os.cpu_count() or 2) // 2))
+        with concurrent.futures.ThreadPoolExecutor(threads) as ex:
+            for i, done in enumerate(concurrent.futures.as_completed(
+                    [ex.submit(compile_, job) for job in jobs])):  # fmt: skip
+                done.result()
+                if progress is not None:
+                    progress(i + 1, len(jobs))
         return len(jobs)
 
     def _admit(self) -> None:

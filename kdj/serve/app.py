@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from kdj import api
 from kdj.decode.engine import SERVE_WAKE_SHARE, Engine, Update
+from kdj.decode.widths import ladder
 from kdj.serve.text import MAX_N, Parsed, Served, TextStream, parse
 from kdj.serve.worker import Overloaded, Ticket, Worker
 
@@ -174,7 +175,7 @@ def build_app(worker: Worker, served: Served) -> FastAPI:
                     continue
                 delta = reply.feed(i, item)
                 if delta:
-                    yield sse(reply.chunk(i, delta, None))
+                    yield sse(reply.chunk(i, delta, None, usage=reply.usage_stream))
                 if item.finished or reply.texts[i].stopped:
                     choices.end(i, item.finished)
                     finish = reply.texts[i].finish_reason  # the last chunk carries usage
@@ -242,6 +243,7 @@ class Reply:
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self.steps = [0] * len(parsed.requests)  # the engine's steps per choice so far
+        self.usage_stream = parsed.usage_stream
 
     def feed(self, i: int, update: Update) -> str:
         """The text delta of an engine update to choice i."""
@@ -279,9 +281,16 @@ class Reply:
         return obj
 
 
+def stream_steps(width: int) -> int:
+    """Serving's steps per chunk at a width: a few at small widths, so tokens stream about
+    every 4 steps; more at large ones, where each turn hands out `width` updates and the
+    host's turn has to stay shorter than the chunk queued behind it."""
+    return min(16, max(4, width // 4))
+
+
 def make_app(target, name: str, *, drafter=None, method: str = "ar", block_size=None,
              tree_budget=None, max_batch: int = 8, context: int = 2048, max_tokens: int = 256,
-             max_queue: int = 64, chunk_steps: int = 16, temperature: float = 0.0,
+             max_queue: int = 64, chunk_steps: int | None = None, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, widths=None,
              warm: tuple[bool, ...] = (), cost=None) -> FastAPI:  # fmt: skip
     """The app serving `target` (a kdj.Target with a tokenizer) as model `name`: a pool of
@@ -304,6 +313,8 @@ def make_app(target, name: str, *, drafter=None, method: str = "ar", block_size=
     cap = min(max_tokens, context - 1)
     drafting = api.pool_drafting(opts, target, drafter, max_batch, context, context / 2,
                                  cost, widths)  # fmt: skip
+    if chunk_steps is None:
+        chunk_steps = {w: stream_steps(w) for w in ladder(max_batch, widths)}
     engine = Engine(target, max_batch, context, context - 1, chunk_steps=chunk_steps, seed=seed,
                     widths=widths, wake_share=SERVE_WAKE_SHARE, **drafting)  # fmt: skip
     if warm:

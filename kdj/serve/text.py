@@ -16,9 +16,11 @@ SEED_STRIDE = 0x9E3779B9  # odd: choice i's seed (seed + i * stride) differs for
 FIELDS = ("model", "max_tokens", "temperature", "top_p", "stream", "stop", "seed", "n")
 CHAT_FIELDS = FIELDS + ("messages", "max_completion_tokens")
 COMPLETION_FIELDS = FIELDS + ("prompt",)
-# Accepted and ignored: the caller's own labels, the stream's framing (usage always rides on
-# the last chunk), and parallel_tool_calls (moot: tools are refused).
+# Accepted and ignored: the caller's own labels and parallel_tool_calls (moot: tools are
+# refused). stream_options is read: usage always rides on the last chunk, and on every chunk
+# with continuous_usage_stats (as vLLM names it: a client counts the tokens of each event).
 IGNORED = ("user", "metadata", "stream_options", "parallel_tool_calls")
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 # OpenAI fields kdj takes only at the value that leaves decoding as it is (null always does).
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}}
 CHAT_NEUTRAL = {**NEUTRAL, "tools": [], "tool_choice": "none", "functions": [],
@@ -56,6 +58,7 @@ class Parsed(NamedTuple):
     requests: tuple[Request, ...]  # one engine request per choice (OpenAI's `n`)
     stream: bool
     stops: tuple[str, ...]  # stop strings: the text is cut before the first
+    usage_stream: bool = False  # every streamed chunk carries the usage so far
 
 
 def _number(body, name, default, lo, hi, lo_open=False) -> float:
@@ -204,8 +207,15 @@ def parse(body: Any, served: Served, chat: bool) -> Parsed:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise Invalid("'stream' must be true or false", "stream")
-    if not isinstance(body.get("stream_options", {}), dict):
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
         raise Invalid("'stream_options' must be an object", "stream_options")
+    for key, value in options.items():
+        if key not in STREAM_OPTIONS:
+            raise Invalid(f"unrecognized stream option {key!r}; kdj takes "
+                          f"{', '.join(STREAM_OPTIONS)}", "stream_options")  # fmt: skip
+        if not isinstance(value, bool):
+            raise Invalid(f"stream_options.{key} must be true or false", "stream_options")
     seed = _integer(body, "seed", 0, 0, 2**32 - 1) if "seed" in body else None
     n = _integer(body, "n", 1, 1, served.max_n)
     max_new = _max_tokens(body, served)
@@ -213,7 +223,7 @@ def parse(body: Any, served: Served, chat: bool) -> Parsed:
     top_p = _number(body, "top_p", served.top_p, 0.0, 1.0, lo_open=True)
     requests = tuple(Request(list(tokens), max_new, list(served.stop_ids), temperature, top_p, s)
                      for s in _seeds(seed, n))  # fmt: skip
-    return Parsed(requests, stream, tuple(stop))
+    return Parsed(requests, stream, tuple(stop), options.get("continuous_usage_stats", False))
 
 
 class TextStream:
