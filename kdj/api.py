@@ -17,9 +17,10 @@ import numpy as np
 
 from kdj import arguments
 from kdj.cache import init_cache
-from kdj.decode import auto, engine, loop, tune
+from kdj.decode import auto, loop, tune
 from kdj.decode.sampling import request_keys
 from kdj.decode.state import Plan, Prefilled
+from kdj.decode.stream import bulk_wake, generate_stream
 from kdj.decode.tree import DraftShape
 from kdj.decode.widths import ladder as widths_ladder
 from kdj.handles import Drafter, Target, check_pair
@@ -101,7 +102,7 @@ def generate(
     is refused, not ignored. With more prompts than `max_batch`, the prompts stream through a
     pool of max_batch slots (kdj/decode/engine.py, at the smallest of its compiled widths that
     holds the live slots; auto's menu priced at each width; the host refills it once an
-    eighth of it has finished, engine.bulk_wake): each prompt's result is what it gets
+    eighth of it has finished, kdj/decode/stream.py bulk_wake): each prompt's result is what it gets
     alone (greedy: the same tokens; stats["request_steps"] and "mean_acceptance" from each
     prompt's own steps).
 
@@ -338,10 +339,10 @@ def stream(opts: Options, target, drafter, batch: Batch, max_batch, temperature,
            tokenizer, cost=None) -> GenerateOutput:  # fmt: skip
     """generate with more prompts than max_batch: the prompts stream through the engine."""
     B, t0 = batch.B, time.perf_counter()
-    wake = engine.bulk_wake(max_batch)
+    wake = bulk_wake(max_batch)
     context = float(np.mean(batch.lens[:B]) + np.mean(batch.max_new[:B]) / 2)  # as make_plan's
     drafting = pool_drafting(opts, target, drafter, max_batch, batch.capacity, context, cost)
-    res = engine.generate_stream(
+    res = generate_stream(
         target, [batch.tokens[b, : batch.lens[b]].tolist() for b in range(B)], max_batch,
         batch.max_new[:B], [[int(i) for i in row if i >= 0] for row in batch.stop[:B]],
         cache_size=batch.capacity, temperature=temperature, top_p=top_p,

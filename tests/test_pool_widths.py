@@ -15,7 +15,8 @@ import pytest
 import kdj
 from kdj.cost import StepCost
 from kdj.decode import auto, widths
-from kdj.decode.engine import Engine, Request
+from kdj.decode.engine import Engine
+from kdj.decode.requests import Request
 from kdj.decode.tree import DraftShape
 from tests.test_adaptive import switching  # noqa: F401 (a fixture)
 

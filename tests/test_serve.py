@@ -17,7 +17,8 @@ import pytest
 
 import kdj
 from kdj.decode import auto
-from kdj.decode.engine import Engine, Request
+from kdj.decode.engine import Engine
+from kdj.decode.requests import Request
 from kdj.decode.tree import DraftShape
 from tests.hf_models import build
 from tests.test_adaptive import switching  # noqa: F401 (a fixture)
@@ -429,6 +430,13 @@ def test_bench_serve_smoke(server, tmp_path, capsys, monkeypatch):
     assert levels == [(1, 3), (3, 6)]
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [r["requests"] for r in json.loads(out.read_text())["rows"]] == [3, 6]
+    levels.clear()  # two client processes share a level's clients and requests
+    cli.main(["bench-serve", "--url", server, "--concurrency", "2", "--requests", "4",
+              "--procs", "2", "--max-tokens", "2", "--prompts", str(prompts), "--no-warmup",
+              "--out", str(out)])  # fmt: skip
+    (two,) = json.loads(out.read_text())["rows"]
+    assert two["requests"] == 4 and two["client_procs"] == 2 and two["errors"] == 0
+    assert two["server"]["turns"] > 0 and two["itl_per_token"]
     assert all(r["errors"] == 0 for r in rows)
     # a prompt past the server's context: refused (400), counted, the others still measured
     prompts.write_text(json.dumps({"sharegpt": ["hi there", "word " * 400, "why?"]}))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 
+import numpy as np
 import pytest
 
 from kdj import chat_template
@@ -368,3 +369,27 @@ def test_truncated_gguf(tmp_path, smol):
         (tmp_path / "cut.gguf").write_bytes(f.read(300_000))
     with pytest.raises(ValueError, match="cut.gguf"):
         load_tokenizer(tmp_path / "cut.gguf")
+
+
+def test_serving_text_stream_decodes_incrementally(smol):
+    """kdj serve's TextStream fed a real reply's tokens in uneven pieces (multi-byte characters
+    cut across pieces included) gives deltas that join to the whole text, each one a prefix
+    of it, and cuts at a stop string as the whole text would."""
+    from kdj.serve.text import Served, TextStream
+
+    text = "Héllo wörld! 東京は大きい 🙂🙂 and 12345 spaces   then\nnew lines, done."
+    ids = smol.encode(text)
+    served = Served("m", smol, (), 64, 0.0, 1.0)
+    rng = np.random.default_rng(0)
+    for stops in [(), ("大きい",), ("spaces",)]:
+        for _ in range(5):
+            stream, got = TextStream(served, stops), ""
+            cuts = sorted(rng.choice(len(ids), size=8, replace=False).tolist()) + [len(ids)]
+            at = 0
+            for end in cuts:
+                got += stream.feed(ids[at:end], final=end == len(ids))
+                assert text.startswith(got)
+                at = end
+            whole = smol.decode(ids)
+            want = whole[: min([whole.index(s) for s in stops], default=len(whole))]
+            assert got == want and stream.stopped == bool(stops)

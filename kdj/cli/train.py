@@ -135,6 +135,15 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def pair_arguments(p, d: str) -> None:
+    """--drafter, --target and --dtype: the pair a drafter command loads."""
+    p.add_argument("--drafter", required=True, help="DFlash drafter dir or built-in name")
+    p.add_argument("--target", default="smollm2-135m-instruct", help="its target" + d)
+    p.add_argument(
+        "--dtype", default="auto", choices=values.DTYPES, help="float32 | bfloat16 | auto" + d
+    )
+
+
 def add_parsers(sub) -> None:
     t = sub.add_parser("train-drafter", help="train a DFlash drafter for a target (kdj.train)")
     t.add_argument("--config", required=True, help="training YAML, e.g. configs/train/*.yaml")
@@ -206,11 +215,7 @@ def add_parsers(sub) -> None:
                    default=["sharegpt", "humaneval"], help="held-out sets to run" + d)  # fmt: skip
     e.set_defaults(fn=cmd_eval_acceptance, flags=FLAGS)
     k = sub.add_parser("calibrate", help="fit the drafter's forecast temperature (method=auto)")
-    k.add_argument("--drafter", required=True, help="DFlash drafter dir or built-in name")
-    k.add_argument("--target", default="smollm2-135m-instruct", help="its target" + d)
-    k.add_argument(
-        "--dtype", default="auto", choices=values.DTYPES, help="float32 | bfloat16 | auto" + d
-    )
+    pair_arguments(k, d)
     k.add_argument(
         "--method",
         choices=["dflash", "ddtree"],
@@ -239,11 +244,7 @@ def add_parsers(sub) -> None:
     k.set_defaults(fn=cmd_calibrate, flags=FLAGS)
 
     u = sub.add_parser("tune", help="time auto's steps on this machine and cache the costs")
-    u.add_argument("--drafter", required=True, help="DFlash drafter dir or built-in name")
-    u.add_argument("--target", default="smollm2-135m-instruct", help="its target" + d)
-    u.add_argument(
-        "--dtype", default="auto", choices=values.DTYPES, help="float32 | bfloat16 | auto" + d
-    )
+    pair_arguments(u, d)
     u.add_argument("--batch", type=values.POSITIVE, nargs="+", default=[1], help="batch sizes" + d)
     u.add_argument("--context", type=values.integer(2), default=256, help="tokens per sequence" + d)
     u.add_argument("--menu", nargs="+", default=None, help="auto's menu (default: its own)")

@@ -53,6 +53,7 @@ import numpy as np
 from kdj import arguments
 from kdj.decode import auto, pool
 from kdj.decode.pool import STOP_WIDTH
+from kdj.decode.requests import Request, Update, mode_of
 from kdj.decode.state import Plan
 from kdj.decode.tree import DraftShape
 from kdj.decode.widths import batch_axes, fitting, ladder, resize
@@ -69,46 +70,6 @@ PREFILL_CHUNK = 256
 # with hundreds of streams a turn per finish would come nearly every step, each a turn's cost
 # and an update to every stream; a finished request waits for ~1/16 of the others instead
 SERVE_WAKE_SHARE = 1 / 16
-
-
-def bulk_wake(max_batch: int) -> int:
-    """`wake` for a pool whose results are read at the end (kdj.generate, data generation):
-    the host takes its turn once an eighth of the pool has finished, not at every finish
-    (a turn costs about a step's time on a GPU), and admits in groups of that size."""
-    return max(1, max_batch // 8)
-
-
-@dataclasses.dataclass
-class Request:
-    tokens: list[int]
-    max_new: int
-    stop: list[int]
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None  # its samples' seed (None: one derived from the pool's and its id)
-    id: int = -1  # set by Engine.submit
-
-
-class Mode(NamedTuple):
-    """What the whole pool shares: greedy (static in the compiled step) and top_p."""
-
-    greedy: bool
-    top_p: float
-
-
-def mode_of(req: Request) -> Mode:
-    greedy = req.temperature == 0.0
-    return Mode(greedy, 1.0 if greedy else req.top_p)
-
-
-class Update(NamedTuple):
-    """New tokens of one request since the last update; `finished` once it is done. steps:
-    the pool's steps it has taken so far (its tokens per step: (tokens - 1) / steps)."""
-
-    id: int
-    tokens: list[int]
-    finished: bool
-    steps: int
 
 
 class Engine:
@@ -540,13 +501,6 @@ class InFlight(NamedTuple):
     rows: list[Request | None]
 
 
-class Streamed(NamedTuple):
-    """What generate_stream gives back, one entry per prompt."""
-
-    tokens: list[list[int]]  # generated tokens, ending at the first stop token or the budget
-    steps: list[int]  # the pool's steps each took (plain decoding: tokens - 1)
-
-
 def chunk_bounds(chunk_steps: int | Mapping[int, int], widths: tuple[int, ...]) -> dict[int, int]:
     """Steps per chunk at each width: one for all, or one per width."""
     bounds = chunk_steps if isinstance(chunk_steps, Mapping) else dict.fromkeys(widths, chunk_steps)
@@ -558,30 +512,3 @@ def chunk_bounds(chunk_steps: int | Mapping[int, int], widths: tuple[int, ...]) 
     if bad:
         raise ValueError(f"chunk_steps must be integers >= 1, got {bad}")
     return dict(bounds)
-
-
-def generate_stream(target: Target, prompts: list[list[int]], max_batch: int, max_new: list[int],
-                    stop: list[list[int]], *, cache_size: int, temperature: float = 0.0,
-                    top_p: float = 1.0, seed: int = 0, seeds: list[int] | None = None,
-                    chunk_steps: int = 32, drafter: Drafter | None = None,
-                    block_size: int | None = None, menu: tuple[DraftShape, ...] = (),
-                    cost=None, calibration: float = 1.0, widths=None, wake: int = 1,
-                    admit_rows: int = 64,
-                    prefill_chunk: int = PREFILL_CHUNK) -> Streamed:  # fmt: skip
-    """Every prompt (token ids) streamed through a pool of `max_batch` slots (drafting with
-    `drafter`, at the ladder `widths`, as `Engine` does). seeds: one per prompt (its
-    samples then do not depend on the other prompts); else each is derived from `seed`."""
-    engine = Engine(target, max_batch, cache_size, max(max_new), drafter=drafter,
-                    block_size=block_size, menu=menu, cost=cost, calibration=calibration,
-                    chunk_steps=chunk_steps, seed=seed, widths=widths, wake=wake,
-                    admit_rows=admit_rows, prefill_chunk=prefill_chunk)  # fmt: skip
-    seeds = seeds if seeds is not None else [None] * len(prompts)
-    ids = [engine.submit(Request(list(p), m, list(s), temperature, top_p, seed))
-           for p, m, s, seed in zip(prompts, max_new, stop, seeds)]  # fmt: skip
-    got: dict[int, list[int]] = {i: [] for i in ids}
-    steps = dict.fromkeys(ids, 0)
-    while engine.busy:
-        for u in engine.step():
-            got[u.id] += u.tokens
-            steps[u.id] = u.steps
-    return Streamed([got[i] for i in ids], [steps[i] for i in ids])

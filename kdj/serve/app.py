@@ -23,7 +23,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tqdm import tqdm
 
 from kdj import api
-from kdj.decode.engine import SERVE_WAKE_SHARE, Engine, Update
+from kdj.decode.engine import SERVE_WAKE_SHARE, Engine
+from kdj.decode.requests import Update
 from kdj.decode.widths import ladder
 from kdj.serve.text import MAX_N, Parsed, Served, TextStream, parse
 from kdj.serve.worker import Overloaded, Ticket, Worker

@@ -134,7 +134,8 @@ def level(url, model, prompts, lengths, concurrency, requests, timeout, procs=No
                                                timeout, usage_stream))  # fmt: skip
         cpu = [(time.process_time() - c0) / max(time.perf_counter() - w0, 1e-9)]
     else:
-        start_at = time.time() + 1.0  # every process imported and ready by then
+        start = time.time()
+        start_at = start + 1.0  # every process imported and ready by then
         shares = zip(np.array_split(jobs, procs), _share(concurrency, procs))
         parts = [(start_at, url, model, prompts, lengths, [int(j) for j in js], c, timeout,
                   usage_stream) for js, c in shares]  # fmt: skip
@@ -142,7 +143,7 @@ def level(url, model, prompts, lengths, concurrency, requests, timeout, procs=No
         samples = [s for r in results for s in r[0]]
         errors = [e for r in results for e in r[1]]
         cpu = [r[2] for r in results]
-        t0 = start_at - time.time() + time.perf_counter()
+        t0 += start_at - start  # the clients started at start_at, not when the map did
     wall = time.perf_counter() - t0
     if not samples:
         raise RuntimeError(f"every request at concurrency {concurrency} failed: {errors[0]}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
-from kdj.decode.engine import Request
+from kdj.decode.requests import Request
 from kdj.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 4  # as OpenAI

@@ -21,7 +21,8 @@ import sys
 import threading
 import time
 
-from kdj.decode.engine import Engine, Request, Update
+from kdj.decode.engine import Engine
+from kdj.decode.requests import Request, Update
 
 
 class Overloaded(Exception):

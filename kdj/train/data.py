@@ -362,7 +362,7 @@ def respond(target, prompts, pool_size, max_new_tokens, temperature, seed, capac
     size (one prefill shape per prompt length); it runs at two widths only (full, and a
     quarter for the stream's tail), so there are few programs to compile. Prompts go in
     length order: groups pad little."""
-    from kdj.decode.engine import bulk_wake, generate_stream
+    from kdj.decode.stream import bulk_wake, generate_stream
 
     if not prompts:
         return Responses([], 0.0)
