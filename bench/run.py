@@ -197,14 +197,15 @@ SUITES = {
         ),
     ),  # fmt: skip
     "serve": Suite(
-        "kdj serve under kdj bench-serve: AR, DFlash and auto servers at concurrency 1-256",
+        "kdj serve under kdj bench-serve: AR, DFlash, DDTree 16 and auto servers at concurrency "
+        "1-256, and the engine's ceiling on the same requests",
         (
             step(
                 "serve",
                 "serve_sweep.py --prompts {prompts} --configs configs/runs/smollm2.yaml "
-                "configs/runs/smollm2-dflash.yaml configs/runs/smollm2-auto.yaml "
-                "--concurrency 1 4 16 64 256 --requests 32 --waves 4 --max-tokens 128 "
-                "--out {out}/serve.json",
+                "configs/runs/smollm2-dflash.yaml configs/runs/smollm2-ddtree.yaml "
+                "configs/runs/smollm2-auto.yaml --concurrency 1 4 16 64 256 --requests 16 "
+                "--waves 4 --workloads 128 16-512 --ceiling 64 256 --out {out}/serve.json",
             ),
         ),
     ),  # fmt: skip

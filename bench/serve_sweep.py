@@ -1,17 +1,26 @@
-"""`kdj serve` under `kdj bench-serve`'s concurrency sweep, one server per run config, one run.
+"""`kdj serve` under `kdj bench-serve`'s concurrency sweep, one server per run config, one run;
+beside it the engine's own ceiling on the same requests.
 
     python bench/serve_sweep.py --prompts .traincache/data/eval_prompts.json \
         --configs configs/runs/smollm2.yaml configs/runs/smollm2-dflash.yaml \
-        configs/runs/smollm2-auto.yaml --concurrency 1 4 16 64 256 --out $OUT/serve.json
+        --concurrency 1 4 16 64 256 --requests 16 --waves 4 --workloads 128 16-512 \
+        --ceiling 64 256 --out $OUT/serve.json
 
 For each --configs YAML a real server process is started (`python -m kdj.cli serve` with
 --max-batch slots, by default the largest concurrency, compiling every greedy program of its
 pool before it answers /health: `--warm greedy`, timed as start_s), the sweep of
-kdj/serve/bench.py runs against it over HTTP (no warm-up pass: nothing is left to compile),
-and the server is stopped with SIGTERM. The prompts are the held-out ShareGPT turns whose chat
-prompt fits a slot with --max-tokens to spare (a longer one would be refused with a 400
-and counted as an error, not measured). Reported per config and concurrency: aggregate and
-per-user tokens/s, time to first token and inter-token latency (p50 / p99), errors.
+kdj/serve/bench.py runs against it over HTTP once per --workloads entry (N: every request
+asks N tokens; LO-HI: drawn uniformly; no warm-up pass: nothing is left to compile), and the
+server is stopped with SIGTERM. The prompts are the held-out ShareGPT turns whose chat
+prompt fits a slot with the longest workload's tokens to spare (a longer one would be refused
+with a 400 and counted as an error, not measured). Reported per config, workload and
+concurrency: aggregate and per-user tokens/s, TTFT, ITL and TPOT (p50 / p99), errors, and
+where the server's host time went.
+
+--ceiling W...: after the servers, in this process, `kdj.generate(max_batch=W)` runs each
+config on exactly the requests of the W-client level (same prompts, chat template, lengths,
+stop tokens and slot size), timed warm after a pass that compiles it: what the engine
+delivers with no server in the way.
 """
 
 from __future__ import annotations
@@ -45,7 +54,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     p.add_argument("--requests", type=int, default=64, help="per level, at least C")
     p.add_argument("--waves", type=int, default=1, help="per level, at least waves x C requests")
-    p.add_argument("--max-tokens", type=int, nargs="+", default=[128], help="N, or LO HI")
+    p.add_argument(
+        "--workloads",
+        type=workload,
+        nargs="+",
+        default=[(128, 128)],
+        help="output lengths, one sweep each: N, or LO-HI (uniform)",
+    )
+    p.add_argument("--procs", type=int, help="client processes (default: one per 64 clients)")
+    p.add_argument(
+        "--ceiling",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also kdj.generate(max_batch=W) on the W-client level's requests",
+    )
     p.add_argument("--max-batch", type=int, help="slots (default: the largest concurrency)")
     p.add_argument("--context", type=int, default=2048, help="tokens per slot")
     p.add_argument("--port", type=int, default=8123)
@@ -54,13 +77,29 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def workload(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    try:
+        lo, hi = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a length N or a range LO-HI") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= LO <= HI")
+    return lo, hi
+
+
+def chat_ids(tok, text: str) -> list[int]:
+    """The prompt tokens kdj serve makes of a one-turn chat request."""
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+
+
 def fitting_prompts(texts: list[str], context: int, max_tokens: int) -> list[str]:
     """The texts whose one-turn chat prompt leaves max_tokens free in a slot of context."""
     tok = load_tokenizer(smollm2_gguf_path())
     keep = []
     for t in texts:
         try:
-            n = len(tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])))
+            n = len(chat_ids(tok, t))
         except ValueError:  # a text the vocabulary cannot encode: the server would refuse it
             continue
         if n + max_tokens < context:
@@ -82,7 +121,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError(f"no healthy server at {url} after {timeout:.0f} s")
 
 
-def sweep(config: str, prompts: list[str], args, lengths: tuple[int, int]) -> dict:
+def sweep(config: str, prompts: list[str], args) -> dict:
     url = f"http://127.0.0.1:{args.port}"
     slots = args.max_batch or max(args.concurrency)
     cmd = [sys.executable, "-m", "kdj.cli", "serve", "--config", config, "--port",
@@ -90,37 +129,82 @@ def sweep(config: str, prompts: list[str], args, lengths: tuple[int, int]) -> di
            "--max-queue", str(4 * slots), "--warm", "greedy"]  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=SERVER_ENV)
+    workloads = []
     try:
         wait_healthy(url, proc, args.start_timeout)
         started = time.perf_counter() - t0
-        report = bench.run(url, prompts, args.concurrency, lengths, args.requests, warmup=False,
-                           waves=args.waves)  # fmt: skip
-        print(bench.table(report), flush=True)
+        for lengths in args.workloads:
+            report = bench.run(url, prompts, args.concurrency, lengths, args.requests,
+                               warmup=False, waves=args.waves, procs=args.procs)  # fmt: skip
+            print(f"{config}, max_tokens {lengths}:\n{bench.table(report)}", flush=True)
+            workloads.append(report)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
-    return {"config": config, "slots": slots, "context": args.context,
-            "start_s": started, "seconds": time.perf_counter() - t0, **report}  # fmt: skip
+    return {"config": config, "slots": slots, "context": args.context, "start_s": started,
+            "seconds": time.perf_counter() - t0, "workloads": workloads}  # fmt: skip
+
+
+def ceiling(config: str, prompts: list[str], args) -> list[dict]:
+    """kdj.generate(max_batch=W) on each --ceiling W-client level's requests, per workload."""
+    import kdj
+    from kdj.cli.runs import dtype_name, load_run
+
+    run = load_run(config)
+    dec = run["decode"]
+    target = kdj.load_target(run["target"], dtype=dtype_name(run["dtype"]))
+    drafter = kdj.load_drafter(run["drafter"], target=target) if run["drafter"] else None
+    ids = [chat_ids(target.tokenizer, t) for t in prompts[: max(args.ceiling) * args.waves
+                                                          + args.requests]]  # fmt: skip
+    rows = []
+    for lengths in args.workloads:
+        per_level, lens = bench.workload(args.ceiling, lengths, args.requests, args.waves)
+        for w in args.ceiling:
+            n = per_level[w]
+
+            def call(w=w, n=n, lens=lens):
+                return kdj.generate(target, [ids[i % len(ids)] for i in range(n)],
+                                    drafter=drafter, method=dec["method"],
+                                    block_size=dec["block_size"], tree_budget=dec["tree_budget"],
+                                    max_new_tokens=lens[:n], max_batch=w,
+                                    cache_size=args.context, temperature=0.0)  # fmt: skip
+
+            t0 = time.perf_counter()
+            call()  # compiles every shape of the pool this workload meets
+            first = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            out = call()
+            wall = time.perf_counter() - t0
+            tokens = sum(len(t) for t in out.tokens)
+            row = {"config": config, "max_tokens": list(lengths), "max_batch": w,
+                   "requests": n, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+                   "first_call_s": first}  # fmt: skip
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
 
 
 def main(argv=None):
     args = parser().parse_args(argv)
-    mt = args.max_tokens
-    if len(mt) > 2 or not 1 <= mt[0] <= mt[-1]:
-        raise SystemExit(f"--max-tokens: one length N, or LO HI with 1 <= LO <= HI; got {mt}")
-    lengths = (mt[0], mt[-1])
+    longest = max(hi for _, hi in args.workloads)
     held = json.loads(Path(args.prompts).read_text())["sharegpt"]
-    prompts = fitting_prompts(held, args.context, lengths[1])
+    prompts = fitting_prompts(held, args.context, longest)
     print(f"{len(prompts)} of {len(held)} held-out prompts fit a {args.context}-token slot")
-    runs = []
+    result = {"prompts": len(prompts), "workloads": [list(w) for w in args.workloads],
+              "runs": [], "ceiling": []}  # fmt: skip
     for config in args.configs:
-        runs.append(sweep(config, prompts, args, lengths))
-        result = {"prompts": len(prompts), "max_tokens": list(lengths), "runs": runs}
+        result["runs"].append(sweep(config, prompts, args))
         harness.write_result(Path(args.out), result, argv)
-        bench.plot({Path(r["config"]).stem: r for r in runs}, Path(args.out).with_suffix(".png"))
+        for k, lengths in enumerate(args.workloads):
+            name = "" if len(args.workloads) == 1 else f"_{lengths[0]}-{lengths[1]}"
+            png = Path(args.out).with_name(Path(args.out).stem + name + ".png")
+            bench.plot({Path(r["config"]).stem: r["workloads"][k] for r in result["runs"]}, png)
+    for config in args.configs if args.ceiling else ():
+        result["ceiling"] += ceiling(config, prompts, args)
+        harness.write_result(Path(args.out), result, argv)
 
 
 if __name__ == "__main__":

@@ -642,3 +642,14 @@ def test_every_error_in_openai_shape(server, monkeypatch):
     monkeypatch.setattr(app, "parse", broken)
     err = shape(httpx.post(server + TEXTS, json={"prompt": "hi"}), 500, None)
     assert err["type"] == "server_error" and "a bug" in err["message"]
+
+
+def test_bench_workload_is_the_same_requests_at_every_sweep():
+    from kdj.serve import bench
+
+    per_level, lengths = bench.workload([1, 4, 16], (16, 512), requests=8, waves=2, seed=3)
+    assert per_level == {1: 8, 4: 8, 16: 32} and len(lengths) == 32
+    assert all(16 <= n <= 512 for n in lengths) and len(set(lengths)) > 1
+    # a sweep of fewer levels (the engine's ceiling at one width) asks the same requests
+    assert bench.workload([4], (16, 512), requests=8, waves=2, seed=3)[1] == lengths[:8]
+    assert bench.workload([2], (7, 7), requests=1, waves=3) == ({2: 6}, [7] * 6)

@@ -228,6 +228,17 @@ def first_model(url: str, timeout: float) -> str:
                            ) from None  # fmt: skip
 
 
+def workload(
+    concurrency: list[int], max_tokens: tuple[int, int], requests: int, waves: int, seed: int = 0
+) -> tuple[dict[int, int], list[int]]:
+    """The sweep's requests: how many each level runs (max(requests, waves x C)), and each
+    request's max_tokens, drawn uniformly from max_tokens (lo, hi), seeded. Request i of a
+    level asks prompts[i % len(prompts)] for lengths[i] tokens."""
+    rng = random.Random(seed)
+    per_level = {c: max(requests, waves * c) for c in concurrency}
+    return per_level, [rng.randint(*max_tokens) for _ in range(max(per_level.values()))]
+
+
 def run(url: str, prompts: list[str], concurrency: list[int], max_tokens: tuple[int, int],
         requests: int, seed: int = 0, model: str | None = None, timeout: float = 600,
         warmup: bool = True, waves: int = 1, procs: int | None = None):  # fmt: skip
@@ -245,9 +256,7 @@ def run(url: str, prompts: list[str], concurrency: list[int], max_tokens: tuple[
     if procs is not None and procs < 1:
         raise ValueError(f"client processes must be >= 1, got {procs}")
     url = url.rstrip("/")
-    rng = random.Random(seed)
-    per_level = {c: max(requests, waves * c) for c in concurrency}
-    lengths = [rng.randint(*max_tokens) for _ in range(max(per_level.values()))]
+    per_level, lengths = workload(concurrency, max_tokens, requests, waves, seed)
     model = model or first_model(url, timeout)
     usage_stream = server_stats(url) is not None  # kdj: tokens per event from usage
     most = max(min(procs or math.ceil(c / CLIENTS_PER_PROC), c) for c in concurrency)
