@@ -100,10 +100,10 @@ def test_resize_moves_every_per_slot_field_with_its_slot(vocab12_pair):
         np.testing.assert_array_equal(np.take(after[name], [2, 3], axis=axis), fresh, name)
     assert int(back.state.step) == 5  # the batch's step counter carries over
     # every leaf that depends on the width was found: the rest are the batch's scalars and
-    # the step-indexed choices [N]
+    # the step-indexed choices [N] and the tally of choices
     state = make(4).state
-    batch = [state.top_p, state.calibration, state.step, state.stats.choices, state.auto.wait,
-             state.auto.since, state.auto.left, state.auto.drafting]  # fmt: skip
+    batch = [state.top_p, state.calibration, state.step, state.stats.choices, state.stats.tally,
+             state.auto.wait, state.auto.since, state.auto.left, state.auto.drafting]  # fmt: skip
     assert sum(a is None for a in axes[4]) == len(batch)
     assert sum(a is not None for a in axes[4]) == len(per_slot_fields(pool4))
 
@@ -198,6 +198,16 @@ def test_rising_and_falling_load_token_identical(vocab12_pair, greedy_alone, met
     assert grows >= 2 and shrinks >= 2 and engine.resizes >= grows + shrinks
     assert set(engine.chunk_widths) == set(LADDER)
     assert engine.method == method
+    # what the pool chose, per width: its menu's entries ("plain": skipped the drafter), and
+    # every token after each request's first (prefill's) committed by one of them
+    chosen = engine.stats.choices
+    assert (chosen == {}) == (method == "ar")
+    for w, by_name in chosen.items():
+        assert set(by_name) <= {*map(str, engine.plans[w].menu), "plain"}
+    committed = sum(t for by_name in chosen.values() for _, t in by_name.values())
+    assert method == "ar" or committed == sum(map(len, greedy_alone)) - len(prompts)
+    names = {n for by_name in chosen.values() for n in by_name}
+    assert method != "auto" or ("plain" in names and len(names) > 1)
 
 
 def test_rising_and_falling_load_sampled_dflash_as_alone(vocab12_pair):

@@ -268,8 +268,10 @@ class Engine:
             bound = jnp.int32(self.bounds[self.width])
             self.pool, report = fn(ts, ds, self.pool, bound, jnp.int32(wake))
             for x in report:  # the copies start now; the host reads them a chunk later
-                x.copy_to_host_async()
-            self.inflight.append(InFlight(report, list(self.slots)))
+                if x is not None:
+                    x.copy_to_host_async()
+            choices = (*map(str, self.plans[self.width].menu), "plain")
+            self.inflight.append(InFlight(report, list(self.slots), self.width, choices))
             self.stats.chunks += 1
             self.stats.widths[self.width] = self.stats.widths.get(self.width, 0) + 1
         if self.inflight and (len(self.inflight) > self.lookahead or not live):
@@ -455,8 +457,10 @@ class Engine:
     def _collect(self, flight: InFlight) -> list[Update]:
         """The updates of a chunk's report; its finished requests leave their slots."""
         t0 = time.perf_counter()
-        start, tokens, n, done, steps = (np.asarray(x) for x in flight.report)
+        start, tokens, n, done, steps = (np.asarray(x) for x in flight.report[:5])
         self.stats.wait_s += time.perf_counter() - t0
+        if flight.report.tally is not None:
+            self.stats.tally(flight.width, flight.choices, np.asarray(flight.report.tally))
         updates, finished = [], set()
         for b, r in enumerate(flight.rows):
             if r is None or r.id not in self.sent:  # free, or cancelled since
@@ -492,6 +496,16 @@ class TurnStats:
     admitted: int = 0
     tokens: int = 0  # tokens handed out
     widths: dict[int, int] = dataclasses.field(default_factory=dict)  # chunks run per width
+    # per width, per choice of the drafting methods (a menu entry's name, "plain": a step
+    # that skipped the drafter): [pool steps, tokens they committed over all rows]
+    choices: dict[int, dict[str, list[int]]] = dataclasses.field(default_factory=dict)
+
+    def tally(self, width: int, names: tuple[str, ...], tally: np.ndarray) -> None:
+        at = self.choices.setdefault(width, {})
+        for name, (steps, tokens) in zip(names, tally.tolist()):
+            if steps:
+                mine = at.setdefault(name, [0, 0])
+                mine[0], mine[1] = mine[0] + steps, mine[1] + tokens
 
 
 class InFlight(NamedTuple):
@@ -499,6 +513,8 @@ class InFlight(NamedTuple):
 
     report: pool.Report
     rows: list[Request | None]
+    width: int
+    choices: tuple[str, ...]  # the names of the report's tally rows
 
 
 def chunk_bounds(chunk_steps: int | Mapping[int, int], widths: tuple[int, ...]) -> dict[int, int]:

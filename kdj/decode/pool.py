@@ -76,6 +76,9 @@ class Report(NamedTuple):
     n: jax.Array  # [B] int32 tokens each row has emitted
     done: jax.Array  # [B] bool
     steps: jax.Array  # [B] int32 steps each row's request took while running
+    # [len(menu) + 1, 2] int32 this chunk's steps and committed tokens per choice (index
+    # len(menu): a plain step); None for plain decoding
+    tally: jax.Array | None
 
 
 def window(plan: Plan, bound: int) -> int:
@@ -116,7 +119,8 @@ def chunk(tgraph, tstate, dgraph, dstate, pool: Pool, bound, wake, *, plan: Plan
     start = jnp.where(pool.steps == 0, 0, entry.n)
     at = jnp.minimum(start[:, None] + jnp.arange(width), state.out.shape[1] - 1)
     tokens = jnp.take_along_axis(state.out, at, axis=1)
-    return Pool(state, steps), Report(start, tokens, state.n, state.done, steps)
+    tally = None if state.stats is None else state.stats.tally - entry.stats.tally
+    return Pool(state, steps), Report(start, tokens, state.n, state.done, steps, tally)
 
 
 class Admission(NamedTuple):

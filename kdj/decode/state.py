@@ -69,6 +69,9 @@ class Stats:
     sizes: jax.Array  # [B, N] int32 draft nodes verified
     choices: jax.Array  # [N] int32 menu index; len(menu): the drafter was skipped; -1: no step
     expected: jax.Array  # [B, N] float32 tokens the drafter expected the step to commit
+    # [len(menu) + 1, 2] int32 per choice: steps taken, tokens they committed (all rows);
+    # never dropped, so the slot pool, whose steps outrun N, still knows what auto chose
+    tally: jax.Array
 
     def record(self, i, count, size, choice, expected) -> Stats:
         return Stats(
@@ -76,6 +79,7 @@ class Stats:
             sizes=self.sizes.at[:, i].set(size, mode="drop"),
             choices=self.choices.at[i].set(choice, mode="drop"),
             expected=self.expected.at[:, i].set(expected, mode="drop"),
+            tally=self.tally.at[choice].add(jnp.stack([1, jnp.sum(count)]).astype(jnp.int32)),
         )
 
 
@@ -145,7 +149,8 @@ def init_state(pre: Prefilled, max_new, stop_ids, key, temperature, top_p, calib
         pending = jnp.zeros((B, plan.queue_slots, feature_dim), dtype)
         n_pend = jnp.zeros((B,), jnp.int32)
         taus, sizes = jnp.zeros((B, N), jnp.int32), jnp.zeros((B, N), jnp.int32)  # a buffer each
-        stats = Stats(taus, sizes, jnp.full((N,), -1, jnp.int32), jnp.zeros((B, N), jnp.float32))
+        stats = Stats(taus, sizes, jnp.full((N,), -1, jnp.int32), jnp.zeros((B, N), jnp.float32),
+                      jnp.zeros((len(plan.menu) + 1, 2), jnp.int32))  # fmt: skip
     if plan.adaptive:
         ctrl = auto.init_controller(plan, prior, pre.tcache.lengths, ~done)
     return DecodeState(

@@ -63,9 +63,11 @@ def batch_axes(make) -> tuple[int | None, ...]:
 
 
 def _move(src, fresh, rows, axis):
-    """fresh with its rows j (along `axis`) taken from src's rows[j] where rows[j] >= 0."""
+    """fresh with its rows j (along `axis`) taken from src's rows[j] where rows[j] >= 0. A leaf
+    without a slot axis carries over, unless its shape is the other width's own (auto's
+    tally over another menu): then it starts afresh."""
     if axis is None:
-        return src
+        return src if src.shape == fresh.shape else fresh
     src, fresh = jnp.moveaxis(src, axis, 0), jnp.moveaxis(fresh, axis, 0)
     W = fresh.shape[0]
     taken = src[jnp.clip(rows, 0, src.shape[0] - 1)]

@@ -208,9 +208,25 @@ def stats_delta(before: dict, after: dict, wall: float) -> dict:
         "tokens_per_chunk": d("engine", "tokens") / chunks if chunks else float("nan"),
         "prefills": d("engine", "prefills"), "admitted": d("engine", "admitted"),
         "chunks_per_width": {w: n for w, n in widths.items() if n},
+        "choices": choices_delta(before["engine"].get("choices", {}),
+                                 after["engine"].get("choices", {})),
         "loop_lag_mean_ms": 1e3 * d("loop_lag", "total_s") / lag_n if lag_n else float("nan"),
         "loop_lag_max_ms": 1e3 * after["loop_lag"]["max_s"],
     }  # fmt: skip
+
+
+def choices_delta(before: dict, after: dict) -> dict:
+    """What the drafting methods chose over a level, per width: each choice's share of the
+    pool's steps and the tokens a step of it committed (over all rows)."""
+    out = {}
+    for w, names in after.items():
+        steps = {n: s - before.get(w, {}).get(n, [0, 0])[0] for n, (s, _) in names.items()}
+        tokens = {n: t - before.get(w, {}).get(n, [0, 0])[1] for n, (_, t) in names.items()}
+        total = sum(steps.values())
+        if total:
+            out[w] = {n: {"share": steps[n] / total, "tokens_per_step": tokens[n] / steps[n]}
+                      for n in names if steps[n]}  # fmt: skip
+    return out
 
 
 def first_model(url: str, timeout: float) -> str:
