@@ -157,20 +157,18 @@ def ceiling(config: str, prompts: list[str], args) -> list[dict]:
     dec = run["decode"]
     target = kdj.load_target(run["target"], dtype=dtype_name(run["dtype"]))
     drafter = kdj.load_drafter(run["drafter"], target=target) if run["drafter"] else None
-    ids = [chat_ids(target.tokenizer, t) for t in prompts[: max(args.ceiling) * args.waves
-                                                          + args.requests]]  # fmt: skip
     rows = []
     for lengths in args.workloads:
         per_level, lens = bench.workload(args.ceiling, lengths, args.requests, args.waves)
         for w in args.ceiling:
             n = per_level[w]
+            batch = [chat_ids(target.tokenizer, prompts[i % len(prompts)]) for i in range(n)]
 
-            def call(w=w, n=n, lens=lens):
-                return kdj.generate(target, [ids[i % len(ids)] for i in range(n)],
-                                    drafter=drafter, method=dec["method"],
+            def call(w=w, batch=batch, new=lens[:n]):
+                return kdj.generate(target, batch, drafter=drafter, method=dec["method"],
                                     block_size=dec["block_size"], tree_budget=dec["tree_budget"],
-                                    max_new_tokens=lens[:n], max_batch=w,
-                                    cache_size=args.context, temperature=0.0)  # fmt: skip
+                                    max_new_tokens=new, max_batch=w, cache_size=args.context,
+                                    temperature=0.0)  # fmt: skip
 
             t0 = time.perf_counter()
             call()  # compiles every shape of the pool this workload meets

@@ -56,7 +56,8 @@ from kdj.decode.pool import STOP_WIDTH
 from kdj.decode.requests import Request, Update, mode_of
 from kdj.decode.state import Plan
 from kdj.decode.tree import DraftShape
-from kdj.decode.widths import batch_axes, fitting, ladder, resize
+from kdj.decode.turns import TurnStats
+from kdj.decode.widths import batch_axes, chunk_bounds, fitting, ladder, resize
 from kdj.handles import Drafter, Target, check_pair
 
 HISTORY = 4096  # chunks whose width the engine remembers (chunk_widths)
@@ -428,26 +429,14 @@ class Engine:
         W, C = self.width, self.C
         A = fitting(self._row_buckets(W), len(take))
         chunks = -(-max(len(r.tokens) for r in take) // C)
-        rows = pool.blank(A, chunks * C, W, mode.top_p)  # the whole prompts, cut per call
-        for i, (r, b) in enumerate(zip(take, free)):
-            rows.tokens[i, : len(r.tokens)] = r.tokens
-            rows.lens[i], rows.slots[i], rows.max_new[i] = len(r.tokens), b, r.max_new
-            rows.temps[i] = max(r.temperature, 1e-6)
-            seed = r.seed if r.seed is not None else (self.seed * 1_000_003 + r.id) % 2**32
-            rows.seeds[i] = seed
-            rows.stop[i, : len(r.stop)] = r.stop
+        rows = pool.admission(take, free, A, chunks * C, W, mode.top_p, self.seed)
+        for r, b in zip(take, free):
             self.slots[b] = r
             self.sent[r.id], self.steps[r.id] = 0, 0
         plan = dataclasses.replace(self.plan, greedy=self.greedy)
         tg, ts, dg, ds = self._graphs()
         for c in range(chunks):
-            s = c * C  # rows whose prompt ended in an earlier chunk sit this one out
-            new = rows._replace(
-                slots=np.where(rows.lens > s, rows.slots, W).astype(np.int32),
-                tokens=rows.tokens[:, s : s + C],
-                start=np.int32(s),
-            )
-            new = jax.device_put(new)  # one transfer per chunk: the host's turn is overhead
+            new = jax.device_put(pool.prompt_chunk(rows, c, C, W))  # one transfer per chunk
             fn = self.target.executables.get(pool.prefill, tg, ts, dg, ds, self.pool, new,
                                              self.priors[W], options=self._xla,
                                              plan=plan)  # fmt: skip
@@ -482,32 +471,6 @@ class Engine:
         return updates
 
 
-@dataclasses.dataclass
-class TurnStats:
-    """Where the host's turns went, cumulative (a server reports them; a benchmark takes the
-    difference over a run): `wait_s` of `turn_s` was spent blocked on a chunk's report, the
-    rest was the host's own work (admission, resizes, dispatch, reading reports)."""
-
-    turns: int = 0
-    turn_s: float = 0.0
-    wait_s: float = 0.0
-    chunks: int = 0
-    prefills: int = 0  # prefill calls (one per admission group and prompt chunk)
-    admitted: int = 0
-    tokens: int = 0  # tokens handed out
-    widths: dict[int, int] = dataclasses.field(default_factory=dict)  # chunks run per width
-    # per width, per choice of the drafting methods (a menu entry's name, "plain": a step
-    # that skipped the drafter): [pool steps, tokens they committed over all rows]
-    choices: dict[int, dict[str, list[int]]] = dataclasses.field(default_factory=dict)
-
-    def tally(self, width: int, names: tuple[str, ...], tally: np.ndarray) -> None:
-        at = self.choices.setdefault(width, {})
-        for name, (steps, tokens) in zip(names, tally.tolist()):
-            if steps:
-                mine = at.setdefault(name, [0, 0])
-                mine[0], mine[1] = mine[0] + steps, mine[1] + tokens
-
-
 class InFlight(NamedTuple):
     """A dispatched chunk: its report and the request each of its rows held."""
 
@@ -515,16 +478,3 @@ class InFlight(NamedTuple):
     rows: list[Request | None]
     width: int
     choices: tuple[str, ...]  # the names of the report's tally rows
-
-
-def chunk_bounds(chunk_steps: int | Mapping[int, int], widths: tuple[int, ...]) -> dict[int, int]:
-    """Steps per chunk at each width: one for all, or one per width."""
-    bounds = chunk_steps if isinstance(chunk_steps, Mapping) else dict.fromkeys(widths, chunk_steps)
-    if set(bounds) != set(widths):
-        raise ValueError(f"chunk_steps needs one entry per width {list(widths)}, got "
-                         f"{sorted(bounds)}")  # fmt: skip
-    bad = {w: s for w, s in bounds.items() if isinstance(s, bool) or not isinstance(s, int)
-           or s < 1}  # fmt: skip
-    if bad:
-        raise ValueError(f"chunk_steps must be integers >= 1, got {bad}")
-    return dict(bounds)

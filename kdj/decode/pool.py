@@ -147,6 +147,30 @@ def blank(rows: int, width: int, free: int, top_p: float = 1.0) -> Admission:
                      np.zeros(rows, np.uint32), np.float32(top_p))  # fmt: skip
 
 
+def admission(take, free: list[int], rows: int, width: int, pool_width: int, top_p: float,
+              seed: int) -> Admission:  # fmt: skip
+    """Requests `take` (kdj/decode/requests.py) bound for pool rows `free`, as one admission of
+    `rows` rows (padding: slot pool_width, dropped) holding their whole prompts in `width`
+    tokens; `prompt_chunk` cuts it per prefill call. A request without a seed draws from
+    (seed, its id)."""
+    new = blank(rows, width, pool_width, top_p)
+    for i, (r, b) in enumerate(zip(take, free)):
+        new.tokens[i, : len(r.tokens)] = r.tokens
+        new.lens[i], new.slots[i], new.max_new[i] = len(r.tokens), b, r.max_new
+        new.temps[i] = max(r.temperature, 1e-6)
+        new.seeds[i] = r.seed if r.seed is not None else (seed * 1_000_003 + r.id) % 2**32
+        new.stop[i, : len(r.stop)] = r.stop
+    return new
+
+
+def prompt_chunk(new: Admission, c: int, C: int, pool_width: int) -> Admission:
+    """Prompt positions c*C .. c*C + C - 1 of an admission; rows whose prompt ended in an
+    earlier chunk sit this one out (slot pool_width: dropped)."""
+    s = c * C
+    return new._replace(slots=np.where(new.lens > s, new.slots, pool_width).astype(np.int32),
+                        tokens=new.tokens[:, s : s + C], start=np.int32(s))  # fmt: skip
+
+
 def _rows(cache: KVCache, slots) -> KVCache:
     """Rows `slots` of a pool's cache (out-of-range slots read a clipped row: their writes
     are dropped)."""

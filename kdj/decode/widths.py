@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +41,19 @@ def ladder(max_batch: int, widths=None) -> tuple[int, ...]:
         raise ValueError(f"widths must be >= 1 and end at max_batch ({max_batch}), got "
                          f"{list(widths)}")  # fmt: skip
     return widths
+
+
+def chunk_bounds(chunk_steps: int | Mapping[int, int], widths: tuple[int, ...]) -> dict[int, int]:
+    """Steps per chunk at each width: one for all, or one per width."""
+    bounds = chunk_steps if isinstance(chunk_steps, Mapping) else dict.fromkeys(widths, chunk_steps)
+    if set(bounds) != set(widths):
+        raise ValueError(f"chunk_steps needs one entry per width {list(widths)}, got "
+                         f"{sorted(bounds)}")  # fmt: skip
+    bad = {w: s for w, s in bounds.items() if isinstance(s, bool) or not isinstance(s, int)
+           or s < 1}  # fmt: skip
+    if bad:
+        raise ValueError(f"chunk_steps must be integers >= 1, got {bad}")
+    return dict(bounds)
 
 
 def fitting(widths: tuple[int, ...], need: int) -> int:

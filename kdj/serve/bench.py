@@ -220,12 +220,13 @@ def choices_delta(before: dict, after: dict) -> dict:
     pool's steps and the tokens a step of it committed (over all rows)."""
     out = {}
     for w, names in after.items():
-        steps = {n: s - before.get(w, {}).get(n, [0, 0])[0] for n, (s, _) in names.items()}
-        tokens = {n: t - before.get(w, {}).get(n, [0, 0])[1] for n, (_, t) in names.items()}
-        total = sum(steps.values())
+        prior = before.get(w, {})
+        delta = {n: (s - prior.get(n, [0, 0])[0], t - prior.get(n, [0, 0])[1])
+                 for n, (s, t) in names.items()}  # fmt: skip
+        total = sum(s for s, _ in delta.values())
         if total:
-            out[w] = {n: {"share": steps[n] / total, "tokens_per_step": tokens[n] / steps[n]}
-                      for n in names if steps[n]}  # fmt: skip
+            out[w] = {n: {"share": s / total, "tokens_per_step": t / s}
+                      for n, (s, t) in delta.items() if s}  # fmt: skip
     return out
 
 
