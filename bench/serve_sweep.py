@@ -17,17 +17,24 @@ with a 400 and counted as an error, not measured). Reported per config, workload
 concurrency: aggregate and per-user tokens/s, TTFT, ITL and TPOT (p50 / p99), errors, and
 where the server's host time went.
 
---ceiling W...: after the servers, in this process, `kdj.generate(max_batch=W)` runs each
-config on exactly the requests of the W-client level (same prompts, chat template, lengths,
-stop tokens and slot size), timed warm after a pass that compiles it: what the engine
-delivers with no server in the way.
+--ceiling W...: after the servers, in this process, each config runs exactly the requests of
+the W-client level (same prompts, chat template, lengths, stop tokens and slot size) twice
+over, each timed warm after a pass that compiles it: `kdj.generate(max_batch=W)`, what the
+engine delivers with no server in the way, and the server's own pool (`serving_engine`: its
+chunk steps and wake share) under a closed loop of W clients in this thread, no HTTP: what
+the server's settings cost apart from HTTP. --profile DIR writes a cProfile of the latter.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import cProfile
+import io
 import json
 import os
+import pstats
 import signal
 import subprocess
 import sys
@@ -69,6 +76,7 @@ def parser() -> argparse.ArgumentParser:
         default=[],
         help="also kdj.generate(max_batch=W) on the W-client level's requests",
     )
+    p.add_argument("--profile", help="a folder for cProfiles of the ceiling's in-process pool")
     p.add_argument("--max-batch", type=int, help="slots (default: the largest concurrency)")
     p.add_argument("--context", type=int, default=2048, help="tokens per slot")
     p.add_argument("--port", type=int, default=8123)
@@ -148,15 +156,39 @@ def sweep(config: str, prompts: list[str], args) -> dict:
             "seconds": time.perf_counter() - t0, "workloads": workloads}  # fmt: skip
 
 
+def closed_loop(engine, requests: list, clients: int) -> int:
+    """`clients` clients on `engine`, each sending its next request when its last one ends;
+    the tokens handed out."""
+    todo, live, tokens = collections.deque(requests), 0, 0
+    while todo and live < clients:
+        engine.submit(todo.popleft())
+        live += 1
+    while engine.busy:
+        for u in engine.step():
+            tokens += len(u.tokens)
+            if u.finished:
+                live -= 1
+                if todo:
+                    engine.submit(todo.popleft())
+                    live += 1
+    return tokens
+
+
 def ceiling(config: str, prompts: list[str], args) -> list[dict]:
-    """kdj.generate(max_batch=W) on each --ceiling W-client level's requests, per workload."""
+    """On each --ceiling W-client level's requests, per workload: kdj.generate(max_batch=W),
+    and the server's own pool (kdj.serve.app.serving_engine) driven in this process by a
+    closed loop of W clients, with no HTTP; each timed warm, after a pass that compiles it.
+    --profile DIR: a cProfile of the pool's timed pass, per level."""
     import kdj
     from kdj.cli.runs import dtype_name, load_run
+    from kdj.decode.requests import Request
+    from kdj.serve.app import serving_engine
 
     run = load_run(config)
     dec = run["decode"]
     target = kdj.load_target(run["target"], dtype=dtype_name(run["dtype"]))
     drafter = kdj.load_drafter(run["drafter"], target=target) if run["drafter"] else None
+    stop = sorted(target.tokenizer.stop_ids or target.cfg.eos_token_ids)
     rows = []
     for lengths in args.workloads:
         per_level, lens = bench.workload(args.ceiling, lengths, args.requests, args.waves)
@@ -164,25 +196,47 @@ def ceiling(config: str, prompts: list[str], args) -> list[dict]:
             n = per_level[w]
             batch = [chat_ids(target.tokenizer, prompts[i % len(prompts)]) for i in range(n)]
 
-            def call(w=w, batch=batch, new=lens[:n]):
-                return kdj.generate(target, batch, drafter=drafter, method=dec["method"],
-                                    block_size=dec["block_size"], tree_budget=dec["tree_budget"],
-                                    max_new_tokens=new, max_batch=w, cache_size=args.context,
-                                    temperature=0.0)  # fmt: skip
+            def generate(w=w, batch=batch, new=lens[:n]):
+                out = kdj.generate(target, batch, drafter=drafter, method=dec["method"],
+                                   block_size=dec["block_size"], tree_budget=dec["tree_budget"],
+                                   max_new_tokens=new, max_batch=w, cache_size=args.context,
+                                   temperature=0.0)  # fmt: skip
+                return sum(len(t) for t in out.tokens)
 
-            t0 = time.perf_counter()
-            call()  # compiles every shape of the pool this workload meets
-            first = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            out = call()
-            wall = time.perf_counter() - t0
-            tokens = sum(len(t) for t in out.tokens)
-            row = {"config": config, "max_tokens": list(lengths), "max_batch": w,
-                   "requests": n, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
-                   "first_call_s": first}  # fmt: skip
+            def pool(w=w, batch=batch, new=lens[:n]):
+                engine = serving_engine(target, drafter, dec["method"], dec["block_size"],
+                                        dec["tree_budget"], w, args.context)  # fmt: skip
+                requests = [Request(list(p), m, list(stop), 0.0, 1.0, None)
+                            for p, m in zip(batch, new)]  # fmt: skip
+                return closed_loop(engine, requests, w)
+
+            row = {"config": config, "max_tokens": list(lengths), "max_batch": w, "requests": n}
+            for name, call in (("generate", generate), ("pool", pool)):
+                t0 = time.perf_counter()
+                call()  # compiles every shape this workload meets
+                first = time.perf_counter() - t0
+                profile = cProfile.Profile() if args.profile and name == "pool" else None
+                t0 = time.perf_counter()
+                with profile or contextlib.nullcontext():
+                    tokens = call()
+                wall = time.perf_counter() - t0
+                row[name] = {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+                             "first_call_s": first}  # fmt: skip
+                if profile is not None:
+                    stem = f"{Path(config).stem}_{lengths[0]}-{lengths[1]}_{w}"
+                    write_profile(profile, Path(args.profile) / f"profile_{stem}.txt")
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
+
+
+def write_profile(profile: cProfile.Profile, path: Path) -> None:
+    """The profile's 30 costliest functions by own time, then by cumulative time."""
+    text = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(profile, stream=text).sort_stats(key).print_stats(30)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text.getvalue())
 
 
 def main(argv=None):

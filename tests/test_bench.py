@@ -571,3 +571,32 @@ def test_profile_step_real_prompts_and_drafter(tmp_path):
     assert loads == [("x",)]
     args.real_drafter = drafter = object()
     assert bench.case_drafter(tgt, "m", args) is drafter
+
+
+def test_serve_sweep_closed_loop_runs_the_servers_pool(vocab12_pair):
+    """The ceiling's in-process pool: make_app's engine (serving_engine) under a closed loop
+    of W clients never holds more than W requests, and hands out exactly plain decoding's
+    tokens for every request."""
+    import kdj
+    from kdj.decode.requests import Request
+    from kdj.serve.app import serving_engine
+
+    sweep = load_bench("serve_sweep")
+    target, _ = vocab12_pair
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 12, int(k)).tolist() for k in rng.integers(2, 9, 7)]
+    budgets = [int(m) for m in rng.integers(2, 12, 7)]
+    engine = serving_engine(target, max_batch=4, context=32)
+    peak, submit = [0], engine.submit
+
+    def counted(request):
+        rid = submit(request)
+        live = len(engine.waiting) + sum(r is not None for r in engine.slots)
+        peak[0] = max(peak[0], live)
+        return rid
+
+    engine.submit = counted
+    tokens = sweep.closed_loop(engine, [Request(p, m, []) for p, m in zip(prompts, budgets)], 3)
+    alone = kdj.generate(target, prompts, method="ar", max_new_tokens=budgets, stop_tokens=[])
+    assert tokens == sum(len(t) for t in alone.tokens) == sum(budgets)
+    assert peak[0] == 3 and not engine.busy

@@ -289,6 +289,23 @@ def stream_steps(width: int) -> int:
     return min(16, max(4, width // 4))
 
 
+def serving_engine(target, drafter=None, method: str = "ar", block_size=None, tree_budget=None,
+                   max_batch: int = 8, context: int = 2048, chunk_steps=None,
+                   temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, widths=None,
+                   cost=None) -> Engine:  # fmt: skip
+    """The slot pool a server runs (make_app's arguments): each slot `context` tokens, a
+    request up to all of them, chunks of `stream_steps` per width unless `chunk_steps`, a
+    host turn per finished share (SERVE_WAKE_SHARE) of the live slots."""
+    opts = api.check_options(target, drafter, method, block_size, tree_budget, None, None,
+                             temperature, top_p, None)  # fmt: skip
+    drafting = api.pool_drafting(opts, target, drafter, max_batch, context, context / 2,
+                                 cost, widths)  # fmt: skip
+    if chunk_steps is None:
+        chunk_steps = {w: stream_steps(w) for w in ladder(max_batch, widths)}
+    return Engine(target, max_batch, context, context - 1, chunk_steps=chunk_steps, seed=seed,
+                  widths=widths, wake_share=SERVE_WAKE_SHARE, **drafting)  # fmt: skip
+
+
 def make_app(target, name: str, *, drafter=None, method: str = "ar", block_size=None,
              tree_budget=None, max_batch: int = 8, context: int = 2048, max_tokens: int = 256,
              max_queue: int = 64, chunk_steps: int | None = None, temperature: float = 0.0,
@@ -307,17 +324,11 @@ def make_app(target, name: str, *, drafter=None, method: str = "ar", block_size=
     no such request waits for a compile (Engine.warm)."""
     if target.tokenizer is None:
         raise ValueError("serving needs the target's tokenizer (this target has none)")
-    opts = api.check_options(target, drafter, method, block_size, tree_budget, None, None,
-                             temperature, top_p, None)  # fmt: skip
+    engine = serving_engine(target, drafter, method, block_size, tree_budget, max_batch, context,
+                            chunk_steps, temperature, top_p, seed, widths, cost)  # fmt: skip
     tok = target.tokenizer
     stop_ids = tuple(sorted(tok.stop_ids or target.cfg.eos_token_ids))
     cap = min(max_tokens, context - 1)
-    drafting = api.pool_drafting(opts, target, drafter, max_batch, context, context / 2,
-                                 cost, widths)  # fmt: skip
-    if chunk_steps is None:
-        chunk_steps = {w: stream_steps(w) for w in ladder(max_batch, widths)}
-    engine = Engine(target, max_batch, context, context - 1, chunk_steps=chunk_steps, seed=seed,
-                    widths=widths, wake_share=SERVE_WAKE_SHARE, **drafting)  # fmt: skip
     if warm:
         with tqdm(desc="compiling the pool's programs", unit="program") as bar:
 
