@@ -596,6 +596,12 @@ def test_fields_kdj_does_not_honour_are_refused(server):
         refused(reply, name, f"'{name}'")
     for reply in replies[len(refuse) :]:
         assert reply.status_code == 200, reply.text
+    unknown, moved = post_many(server, [
+        (CHATS, {**HI, "top_k": 5, "min_p": 0.1}),
+        (CHATS, {**HI, "presence_penalty": 1, "logit_bias": {"5": 1}})])  # fmt: skip
+    refused(unknown, "top_k", "'top_k', 'min_p'")  # every offending field, not the first
+    assert "stream_options" in unknown.json()["error"]["message"]  # what kdj takes, all of it
+    refused(moved, "presence_penalty", "'logit_bias'")
 
 
 def test_messages_are_checked(server):

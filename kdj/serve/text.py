@@ -83,19 +83,21 @@ def _integer(body, name, default, lo, hi=None) -> int:
 
 def _check_fields(body: dict, chat: bool) -> None:
     """Refuse any field kdj would otherwise ignore: unknown ones, and OpenAI's it does not
-    honour at a value other than their neutral one."""
+    honour at a value other than their neutral one. The message names every such field."""
     honoured = CHAT_FIELDS if chat else COMPLETION_FIELDS
     neutral = CHAT_NEUTRAL if chat else COMPLETION_NEUTRAL
     known = (*honoured, *IGNORED, *neutral, *LOGPROBS[chat])
-    for name, value in body.items():
-        if name not in known:
-            endpoint = "/v1/chat/completions" if chat else "/v1/completions"
-            raise Invalid(f"unrecognized field '{name}' for {endpoint}; kdj takes "
-                          f"{', '.join(honoured)}", name, "unknown_parameter")  # fmt: skip
-        if name in neutral and value is not None and value != neutral[name]:
-            why = f"leave it out or send {neutral[name]!r}, got {value!r}"
-            raise Invalid(f"'{name}' is not supported by kdj: {why}", name,
-                          "unsupported_parameter")  # fmt: skip
+    unknown = [name for name in body if name not in known]
+    if unknown:
+        endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+        takes = (*honoured, *LOGPROBS[chat], *IGNORED)
+        raise Invalid(f"unrecognized field{'s' * (len(unknown) > 1)} "
+                      f"{', '.join(map(repr, unknown))} for {endpoint}; kdj takes "
+                      f"{', '.join(takes)}", unknown[0], "unknown_parameter")  # fmt: skip
+    moved = [(n, v) for n, v in body.items() if n in neutral and v is not None and v != neutral[n]]
+    if moved:
+        why = "; ".join(f"'{n}': leave it out or send {neutral[n]!r}, got {v!r}" for n, v in moved)
+        raise Invalid(f"not supported by kdj: {why}", moved[0][0], "unsupported_parameter")
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
