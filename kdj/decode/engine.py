@@ -15,7 +15,10 @@
 
 The host runs one chunk behind the device (`lookahead`): it queues chunk k+1 (and any
 admission's prefill before it) and only then reads chunk k's report, so the device works
-through the host's turn instead of waiting for it. A slot that finished in chunk k is seen
+through the host's turn instead of waiting for it. A chunk's program is called on the
+engine's own device thread: on a GPU the call returns only when the chunk's while_loop has
+finished (XLA reads each iteration's predicate back to the host), so called from the host's
+thread it would hold the host for the whole chunk. A slot that finished in chunk k is seen
 (and refilled) one chunk late; that costs the slot a chunk, not the pool a host turn.
 
 Finished and free slots ride along without advancing (`done`), as in kdj/decode/loop.py.
@@ -150,7 +153,10 @@ class Engine:
         self.chunk_widths: collections.deque[int] = collections.deque(maxlen=HISTORY)
         self.resizes = 0
         self.stats = TurnStats()
-        self.pool = self._empty(self.width)
+        self._pool = self._empty(self.width)
+        self._pending: concurrent.futures.Future | None = None  # the chunk the device runs
+        self._device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kdj-device")
+        self._programs: dict[tuple, object] = {}  # (kind, width, ...) -> its compiled program
 
     def _drafting_plans(self, drafter, block_size, menu, cost) -> None:
         """Each width's Plan and priors: `menu` and `cost` one for every width, or one per
@@ -178,6 +184,33 @@ class Engine:
             self.plans[w] = Plan(True, self.N, block_size, m, step_cost)
             if self.plans[w].adaptive:
                 self.priors[w] = jnp.asarray(auto.priors(m, drafter), jnp.float32)
+
+    @property
+    def pool(self) -> pool.Pool:
+        """The pool's device state, once the chunk in flight (if any) has returned it."""
+        self._settle()
+        return self._pool
+
+    @pool.setter
+    def pool(self, value: pool.Pool) -> None:
+        self._pending = None  # a pool set here supersedes the one the device would return
+        self._pool = value
+
+    def _settle(self) -> None:
+        """Wait for the chunk the device thread runs: its pool is the pool from now on."""
+        if self._pending is not None:
+            t0 = time.perf_counter()
+            pending, self._pending = self._pending, None
+            self._pool = pending.result().pool
+            self.stats.wait_s += time.perf_counter() - t0
+
+    def _program(self, key: tuple, fn, *args, **static):
+        """The compiled `fn` for the pool's program `key` ((kind, width, ...)), found in the
+        target's Executables once: its lookup keys on every parameter, each chunk's would
+        cost milliseconds of the host's turn."""
+        if key not in self._programs:
+            self._programs[key] = self.target.executables.get(fn, *args, **static)
+        return self._programs[key]
 
     @property
     def plan(self) -> Plan:
@@ -266,13 +299,10 @@ class Engine:
             fn = self._chunk_program(self.pool, self.width, plan)
             wake = max(self.wake, math.ceil(self.wake_share * live))
             _, ts, _, ds = self._graphs()
-            bound = jnp.int32(self.bounds[self.width])
-            self.pool, report = fn(ts, ds, self.pool, bound, jnp.int32(wake))
-            for x in report:  # the copies start now; the host reads them a chunk later
-                if x is not None:
-                    x.copy_to_host_async()
+            args = (ts, ds, self.pool, jnp.int32(self.bounds[self.width]), jnp.int32(wake))
+            self._pending = self._device.submit(_run_chunk, fn, *args)
             choices = (*map(str, self.plans[self.width].menu), "plain")
-            self.inflight.append(InFlight(report, list(self.slots), self.width, choices))
+            self.inflight.append(InFlight(self._pending, list(self.slots), self.width, choices))
             self.stats.chunks += 1
             self.stats.widths[self.width] = self.stats.widths.get(self.width, 0) + 1
         if self.inflight and (len(self.inflight) > self.lookahead or not live):
@@ -285,9 +315,9 @@ class Engine:
         """The compiled chunk of a pool of `width` slots (`pool_`: such a pool)."""
         tg, ts, dg, ds = self._graphs()
         window = min(self.N, pool.window(plan, self.bounds[width]))
-        return self.target.executables.get(pool.chunk, tg, ts, dg, ds, pool_, jnp.int32(0),
-                                           jnp.int32(0), options=self._xla, plan=plan,
-                                           width=window)  # fmt: skip
+        return self._program(("chunk", width, plan.greedy), pool.chunk, tg, ts, dg, ds, pool_,
+                             jnp.int32(0), jnp.int32(0), options=self._xla, plan=plan,
+                             width=window)  # fmt: skip
 
     def _drop_cancelled(self) -> list[Update]:
         if not self.cancelled:
@@ -329,8 +359,9 @@ class Engine:
         if live:
             rows = jnp.asarray(live + [-1] * (width - len(live)), jnp.int32)
             args = (self.pool, self._empty(width), rows, self.priors[width])
-            fn = self.target.executables.get(resize, *args, axes=self._slot_axes(width),
-                                             src=self.plan, dst=self.plans[width])  # fmt: skip
+            fn = self._program(("resize", self.width, width), resize, *args,
+                               axes=self._slot_axes(width), src=self.plan,
+                               dst=self.plans[width])  # fmt: skip
             self.pool = fn(*args)
             self.resizes += 1
         else:
@@ -437,19 +468,20 @@ class Engine:
         tg, ts, dg, ds = self._graphs()
         for c in range(chunks):
             new = jax.device_put(pool.prompt_chunk(rows, c, C, W))  # one transfer per chunk
-            fn = self.target.executables.get(pool.prefill, tg, ts, dg, ds, self.pool, new,
-                                             self.priors[W], options=self._xla,
-                                             plan=plan)  # fmt: skip
+            fn = self._program(("prefill", W, A, plan.greedy), pool.prefill, tg, ts, dg, ds,
+                               self.pool, new, self.priors[W], options=self._xla,
+                               plan=plan)  # fmt: skip
             self.pool = fn(ts, ds, self.pool, new, self.priors[W])
             self.stats.prefills += 1
 
     def _collect(self, flight: InFlight) -> list[Update]:
         """The updates of a chunk's report; its finished requests leave their slots."""
         t0 = time.perf_counter()
-        start, tokens, n, done, steps = (np.asarray(x) for x in flight.report[:5])
+        report = flight.ran.result().report
+        start, tokens, n, done, steps = (np.asarray(x) for x in report[:5])
         self.stats.wait_s += time.perf_counter() - t0
-        if flight.report.tally is not None:
-            self.stats.tally(flight.width, flight.choices, np.asarray(flight.report.tally))
+        if report.tally is not None:
+            self.stats.tally(flight.width, flight.choices, np.asarray(report.tally))
         updates, finished = [], set()
         for b, r in enumerate(flight.rows):
             if r is None or r.id not in self.sent:  # free, or cancelled since
@@ -471,10 +503,26 @@ class Engine:
         return updates
 
 
-class InFlight(NamedTuple):
-    """A dispatched chunk: its report and the request each of its rows held."""
+class Ran(NamedTuple):
+    """What a chunk's program gave back: the pool after it, and its report."""
 
+    pool: pool.Pool
     report: pool.Report
+
+
+def _run_chunk(fn, *args) -> Ran:
+    """On the device thread: one chunk, its report's copies to the host started at once."""
+    pool_, report = fn(*args)
+    for x in report:  # the host reads them a chunk later
+        if x is not None:
+            x.copy_to_host_async()
+    return Ran(pool_, report)
+
+
+class InFlight(NamedTuple):
+    """A dispatched chunk: what it gives back (once run) and the request each row held."""
+
+    ran: concurrent.futures.Future  # of a Ran
     rows: list[Request | None]
     width: int
     choices: tuple[str, ...]  # the names of the report's tally rows
