@@ -275,6 +275,9 @@ def test_decoding_with_a_dflash2_drafter_is_lossless(target, published, spec):
     ar = kdj.generate(target, prompts, method="ar", **kw)
     sp = kdj.generate(target, prompts, drafter=drafter, **spec, **kw)
     assert sp.tokens == ar.tokens
+    if spec["method"] == "dflash":  # the slot pool (per-slot temperatures) keys its own way
+        pooled = kdj.generate(target, prompts, drafter=drafter, max_batch=2, **spec, **kw)
+        assert pooled.tokens == kdj.generate(target, prompts, method="ar", max_batch=2, **kw).tokens
 
 
 @pytest.mark.parametrize(
