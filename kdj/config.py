@@ -20,7 +20,8 @@ from kdj.kernels import KernelPolicy
 LLAMA_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 DEEPSEEK_TYPES = ("deepseek_v3", "deepseek_v2", "kimi_k2")
 WRAPPER_TYPES = ("kimi_k25",)  # multimodal wrappers whose text model sits in `text_config`
-DRAFTER_ARCHITECTURE = "DFlashDraftModel"  # a drafter's config.json, never a target's
+# a drafter's config.json (DFlash, DFlash2), never a target's
+DRAFTER_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,8 @@ class ModelConfig:
             raise FileNotFoundError(f"missing model config: {path}") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"corrupt config.json {path}: {e}") from None
-        if isinstance(cfg, dict) and DRAFTER_ARCHITECTURE in (cfg.get("architectures") or []):
+        archs = (cfg.get("architectures") or []) if isinstance(cfg, dict) else []
+        if any(a in DRAFTER_ARCHITECTURES for a in archs):
             raise ValueError(
                 f"{path.parent} is a DFlash drafter checkpoint, not a target: pass it as the "
                 "drafter (kdj.load_drafter)"

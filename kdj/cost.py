@@ -109,6 +109,8 @@ class StepCost:
         num_params: its own parameter count; it borrows the target's embedding and lm_head)."""
         lc, k = dcfg.layers, dcfg.block_size
         head = target_cfg.vocab_size * target_cfg.hidden_size
+        if dcfg.dflash2 is not None:  # the selector's codebooks: a step gathers a few rows
+            num_params -= 2 * lc.vocab_size * dcfg.dflash2.selector_rank
         kv = 2 * lc.num_kv_heads * lc.head_dim * lc.num_layers
         return dataclasses.replace(
             self,

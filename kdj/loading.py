@@ -79,9 +79,10 @@ def load_target(
 
 
 def load_drafter(source, target: Target | None = None, dtype=None, mesh=None) -> Drafter:
-    """Load a DFlash drafter (published checkpoint format: a directory, or a built-in name from
-    BUILTIN_DRAFTERS). With `target`, check the pair fits (hidden size, vocabulary, feature
-    layers) and use the target's dtype."""
+    """Load a DFlash or DFlash2 drafter (published checkpoint formats, told apart by the
+    config's architectures: a directory, or a built-in name from BUILTIN_DRAFTERS). With
+    `target`, check the pair fits (hidden size, vocabulary, feature layers) and use the
+    target's dtype."""
     if target is not None:
         arguments.loaded(target, Target, "target", "kdj.load_target")
     dtype = arguments.dtype(dtype or (target.dtype if target is not None else "bfloat16"))

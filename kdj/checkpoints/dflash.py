@@ -6,6 +6,8 @@ and safetensors weights named without a "model." prefix: fc.weight, hidden_norm.
 norm.weight, layers.{i}.{input_layernorm,post_attention_layernorm}.weight,
 layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,k}_norm.weight,
 layers.{i}.mlp.{gate,up,down}_proj.weight. Embedding and lm_head come from the target.
+DFlash2 (`architectures: ["DFlash2DraftModel"]`) adds its convolutions and selector:
+kdj/checkpoints/dflash2.py. The architecture picks the format on load.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from kdj.checkpoints import staging
+from kdj.checkpoints import dflash2, staging
 from kdj.checkpoints.hf_safetensors import HFCheckpoint
 from kdj.checkpoints.loader import ALL, fill_params, mlp_targets
 from kdj.config import ModelConfig
@@ -42,8 +44,10 @@ _NAMES = {
 
 def drafter_config_from_hf(cfg: dict) -> DrafterConfig:
     """Parse a DFlash config.json dict; unknown or inconsistent fields raise ValueError."""
-    if ARCHITECTURE not in (cfg.get("architectures") or []):
-        raise ValueError(f"not a DFlash drafter config (architectures={cfg.get('architectures')})")
+    archs = cfg.get("architectures") or []
+    is_v2 = dflash2.ARCHITECTURE in archs
+    if not is_v2 and ARCHITECTURE not in archs:
+        raise ValueError(f"not a DFlash or DFlash2 drafter config (architectures={archs})")
     model_type = cfg.get("model_type", "qwen3")
     if model_type != "qwen3":
         raise ValueError(f"DFlash drafter model_type {model_type!r} is not supported: a DFlash "
@@ -51,6 +55,8 @@ def drafter_config_from_hf(cfg: dict) -> DrafterConfig:
     if cfg.get("attention_bias"):
         raise NotImplementedError("DFlash drafters with attention bias are not supported")
     extra = cfg.get("dflash_config") or {}
+    if is_v2 and cfg.get("is_causal"):  # kdj's block attention is bidirectional, as published
+        raise ValueError("DFlash2 config sets is_causal: a causal block is not supported")
     mask = extra.get("mask_token_id", cfg.get("mask_token_id"))
     if mask is None:
         raise ValueError("DFlash config has no mask_token_id (dflash_config.mask_token_id)")
@@ -69,12 +75,13 @@ def drafter_config_from_hf(cfg: dict) -> DrafterConfig:
         ids = default_target_layer_ids(num_target, n)
     return DrafterConfig(
         layers=layers,
-        block_size=cfg.get("block_size", 16),
+        block_size=extra.get("block_size", cfg.get("block_size", 16)),
         mask_token_id=mask,
         target_layer_ids=tuple(ids),
         num_target_layers=num_target if num_target is not None else -1,
         layer_types=layer_types,
         sliding_window=cfg.get("sliding_window") if "sliding_attention" in layer_types else None,
+        dflash2=dflash2.config_from_hf(extra) if is_v2 else None,
     )
 
 
@@ -104,6 +111,12 @@ def drafter_config_to_hf(cfg: DrafterConfig) -> dict:
             "target_layer_ids": list(cfg.target_layer_ids),
         },
     }
+    if cfg.dflash2 is not None:  # DFlash2 keeps block_size in dflash_config, as published
+        out["architectures"] = [dflash2.ARCHITECTURE]
+        out["is_causal"] = False
+        del out["block_size"]
+        out["dflash_config"] = {"block_size": cfg.block_size, **out["dflash_config"],
+                                **dflash2.config_to_hf(cfg.dflash2)}  # fmt: skip
     if cfg.layer_types:
         out["layer_types"] = list(cfg.layer_types)
         out["sliding_window"] = cfg.sliding_window
@@ -117,6 +130,9 @@ def drafter_targets(name: str, x: np.ndarray):
         name = name[len("model.") :]  # tolerate a prefixed variant
     if name == "fc.weight":
         return [(("fc", "kernel"), x.T, ALL)]
+    v2 = dflash2.targets(name, x)
+    if v2 is not None:  # a DFlash drafter's skeleton has no place for these: fill_params says so
+        return v2
     if name in ("hidden_norm.weight", "norm.weight"):
         return [((name.split(".")[0], "weight"), x, ALL)]
     m = _LAYER.fullmatch(name)
@@ -179,9 +195,9 @@ def load_calibration(drafter_dir) -> tuple[float, float, dict]:
 
 def save_drafter(drafter: DFlashDrafter, path, *, calibration: dict | None = None,
                  overwrite: bool = False) -> Path:  # fmt: skip
-    """Write `drafter` in the published DFlash format (float32 weights keep full precision),
-    with its `calibration` ({"temperature", "realised_acceptance", "realised_by_entry"}, as
-    kdj.train.calibrate writes it) when given.
+    """Write `drafter` in the published DFlash (or DFlash2) format (float32 weights keep full
+    precision), with its `calibration` ({"temperature", "realised_acceptance",
+    "realised_by_entry"}, as kdj.train.calibrate writes it) when given.
 
     A non-empty `path` is refused unless `overwrite`, which replaces only the drafter's own
     files (FILES; a stale calibration.json goes) and keeps the rest. The files are written
@@ -211,6 +227,8 @@ def _write_drafter(drafter: DFlashDrafter, path: Path, calibration: dict | None)
         tensors[p + "mlp.gate_proj.weight"] = gate_up[:, 0].T
         tensors[p + "mlp.up_proj.weight"] = gate_up[:, 1].T
         tensors[p + "mlp.down_proj.weight"] = layer.mlp.down.kernel[...].T
+    if drafter.cfg.dflash2 is not None:
+        tensors.update(dflash2.tensors(drafter))
     arrays = {k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in tensors.items()}
     save_file(arrays, str(path / "model.safetensors"))
     if calibration is not None:

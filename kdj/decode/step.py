@@ -23,6 +23,8 @@ from kdj.decode import tree as trees
 from kdj.decode.sampling import perturbed, position_keys, sample
 from kdj.decode.state import DecodeState, is_stop
 
+PATH_SALT = 0x5E1EC7  # folded into a draft slot's key: the chain's noise is not the target's
+
 
 class Verified(NamedTuple):
     """The target's verify pass over root + nodes (T = 1 + N)."""
@@ -95,14 +97,27 @@ def flush(drafter, state: DecodeState) -> DecodeState:
 def draft(target, drafter, state: DecodeState, k: int):
     """Take in the pending context (at most k features: a drafted step queues a + 1), then
     run the block at slots L .. L + k - 1. Returns (tree.Draft of depths 1 .. k - 1: logits
-    [B, k - 1, V] float32 and their log-normaliser, state with the drafter's cache
-    written)."""
+    [B, k - 1, V] float32, their log-normaliser and, for DFlash2, the selector's chain;
+    state with the drafter's cache written)."""
     B, L = state.last.shape[0], state.dcache.lengths
     dcache = drafter.add_context(state.pending[:, :k], L - state.n_pend, state.dcache)
     block = jnp.full((B, k), drafter.cfg.mask_token_id, jnp.int32).at[:, 0].set(state.last)
     positions = L[:, None] + jnp.arange(k, dtype=jnp.int32)
     h = drafter(target.embed[...][block], positions, dcache)
-    return trees.Draft.of(target.logits(h[:, 1:])), dataclasses.replace(state, dcache=dcache)
+    logits = drafter.logits(target.logits(h[:, 1:]))
+    chain = None  # DFlash: the argmax of each depth
+    if drafter.selector is not None:  # DFlash2: the selector's walk from the last token
+        keys = path_keys(state.key, positions[:, 1:])
+        chain = drafter.selector.walk(h[:, 1:], logits, state.last, keys, state.temperature)
+    return trees.Draft.of(logits, chain), dataclasses.replace(state, dcache=dcache)
+
+
+def path_keys(keys, positions):
+    """Keys [B, L] for a drafter that samples its chain (DFlash2's selector) at draft slots
+    `positions` [B, L]: each position's sampling key, salted apart from the target's draws."""
+    at = position_keys(keys, positions)
+    salted = jax.vmap(lambda k: jax.random.fold_in(k, PATH_SALT))(at.reshape(-1))
+    return salted.reshape(at.shape)
 
 
 def propose(shape: trees.DraftShape, dist: trees.Draft, full=None, limit=None, room=None):

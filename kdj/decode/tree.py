@@ -124,11 +124,12 @@ class Draft(NamedTuple):
 
     logits: jax.Array
     lse: jax.Array
+    chain: jax.Array | None = None  # [B, L] int32 a selector's path (DFlash2); None = argmax
 
     @classmethod
-    def of(cls, logits) -> Draft:
+    def of(cls, logits, chain=None) -> Draft:
         x = jnp.asarray(logits, jnp.float32)
-        return cls(x, jax.nn.logsumexp(x, axis=-1))
+        return cls(x, jax.nn.logsumexp(x, axis=-1), chain)
 
     def top(self, k: int):
         """(log-probs [B, L, K] descending, tokens [B, L, K]) of the K most probable tokens."""
@@ -137,7 +138,8 @@ class Draft(NamedTuple):
 
     def head(self, n: int) -> Draft:
         """Depths 1..n only."""
-        return Draft(self.logits[:, :n], self.lse[:, :n])
+        chain = None if self.chain is None else self.chain[:, :n]
+        return Draft(self.logits[:, :n], self.lse[:, :n], chain)
 
     def calibrated(self, depth, tokens, calibration):
         """log-probs [B, N] of tokens [B, N] at depths [B, N] (1-based) with the logits
@@ -247,15 +249,22 @@ def draft_trees(draft: Draft, budget: int, limit=None):
 
 
 def chain_trees(draft: Draft):
-    """DFlash's draft as a tree: the argmax token at every depth, each node the child of the
-    previous one. -> the build_trees dict with budget L (the draft's depths)."""
+    """DFlash's draft as a tree: the argmax token at every depth (or the draft's own chain,
+    DFlash2's selector path), each node the child of the previous one. -> the build_trees
+    dict with budget L (the draft's depths)."""
     B, L, _ = draft.logits.shape
     idx = jnp.arange(L)
+    if draft.chain is None:
+        tokens = jnp.argmax(draft.logits, axis=-1).astype(jnp.int32)
+        lp = jnp.max(draft.logits, axis=-1) - draft.lse
+    else:
+        tokens = draft.chain
+        lp = jnp.take_along_axis(draft.logits, tokens[..., None], axis=-1)[..., 0] - draft.lse
     return {
-        "tokens": jnp.argmax(draft.logits, axis=-1).astype(jnp.int32),
+        "tokens": tokens,
         "depth": jnp.broadcast_to(idx + 1, (B, L)),
         "parent": jnp.broadcast_to(idx - 1, (B, L)),
-        "score": jnp.cumsum(jnp.max(draft.logits, axis=-1) - draft.lse, axis=1),
+        "score": jnp.cumsum(lp, axis=1),
         "valid": jnp.ones((B, L), bool),
         "ancestors": jnp.broadcast_to(idx[:, None] >= idx[None, :], (B, L, L)),
     }

@@ -10,6 +10,9 @@ One draft step proposes b - 1 tokens in one forward pass:
                   x += mlp(norm(x))
     draft logits = target_lm_head(norm(x))[:, 1:]   (slot j predicts the token at start + j)
 
+DFlash2 (cfg.dflash2 set; kdj/models/dflash2.py) adds a grouped dynamic convolution around
+each sublayer and a candidate selector (self.selector) whose walk is the draft chain.
+
 The context's K/V are cached per layer (appended once per committed token, never
 recomputed); the block's K/V are used in the step and discarded. The drafter owns no embedding
 or lm_head: it borrows the target's.
@@ -25,6 +28,7 @@ from flax import nnx
 
 from kdj import cache as kvc
 from kdj.config import ModelConfig
+from kdj.models.dflash2 import CandidateSelector, DFlash2Config, GroupedConv
 from kdj.models.layers import (
     MLP,
     NEG_INF,
@@ -45,6 +49,7 @@ class DrafterConfig:
     num_target_layers: int
     layer_types: tuple[str, ...] = ()  # "full_attention" | "sliding_attention" per layer
     sliding_window: int | None = None
+    dflash2: DFlash2Config | None = None  # DFlash2's convolutions and selector; None = DFlash
 
     def __post_init__(self):
         # The target taps each layer once: a repeated id would give fewer features than fc
@@ -63,6 +68,8 @@ class DrafterConfig:
             raise ValueError(f"target_layer_ids {ids} repeat a layer (a {L}-layer target is too "
                              "shallow for this many distinct taps at the default spacing: "
                              "give target_layer_ids, or fewer drafter layers)")  # fmt: skip
+        if self.dflash2 is not None:
+            self.dflash2.check(self.layers.hidden_size, self.layers.vocab_size)
 
     def with_kernels(self, kernels) -> DrafterConfig:
         return dataclasses.replace(self, layers=self.layers.with_kernels(kernels))
@@ -156,7 +163,7 @@ class DrafterAttention(nnx.Module):
 
 
 class DrafterLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs, dflash2: DFlash2Config | None = None):
         self.attn_norm = RMSNorm(
             cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, kernels=cfg.kernels
         )
@@ -164,6 +171,23 @@ class DrafterLayer(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, kernels=cfg.kernels)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs,
                        kernels=cfg.kernels)  # fmt: skip
+        conv = dict(dtype=dtype, rngs=rngs, kernels=cfg.kernels)
+        self.attention_conv = None if dflash2 is None else GroupedConv(cfg.hidden_size, dflash2,
+                                                                       **conv)  # fmt: skip
+        self.mlp_conv = None if dflash2 is None else GroupedConv(cfg.hidden_size, dflash2, **conv)
+
+    def __call__(self, x, positions, k_cache, v_cache, ctx_len, window):
+        """One layer over the block x [B, b, D]: attention then MLP, each a residual branch
+        (DFlash2: each inside its convolution pair)."""
+        u = self.attn_norm(x)
+        if self.attention_conv is None:
+            x = x + self.attn(u, positions, k_cache, v_cache, ctx_len, window)
+            return x + self.mlp(self.mlp_norm(x))
+        u, delta = self.attention_conv.prepare(u)
+        y = self.attn(u, positions, k_cache, v_cache, ctx_len, window)
+        x = x + self.attention_conv.finish(y, delta)
+        u, delta = self.mlp_conv.prepare(self.mlp_norm(x))
+        return x + self.mlp_conv.finish(self.mlp(u), delta)
 
 
 class DFlashDrafter(nnx.Module):
@@ -173,10 +197,12 @@ class DFlashDrafter(nnx.Module):
         self.fc = Linear(cfg.num_features * D, D, ("features", "embed"), dtype=dtype, rngs=rngs,
                          kernels=lc.kernels)  # fmt: skip
         self.hidden_norm = RMSNorm(D, lc.rms_norm_eps, dtype=dtype, kernels=lc.kernels)
-        self.layers = nnx.List(
-            [DrafterLayer(lc, dtype=dtype, rngs=rngs) for _ in range(lc.num_layers)]
-        )
+        self.layers = nnx.List([DrafterLayer(lc, dtype=dtype, rngs=rngs, dflash2=cfg.dflash2)
+                                for _ in range(lc.num_layers)])  # fmt: skip
         self.norm = RMSNorm(D, lc.rms_norm_eps, dtype=dtype, kernels=lc.kernels)
+        self.selector = None if cfg.dflash2 is None else CandidateSelector(
+            D, lc.vocab_size, cfg.dflash2, dtype=dtype, rngs=rngs, kernels=lc.kernels
+        )  # fmt: skip
         self.cfg = cfg
 
     def add_context(self, feats, start, cache: kvc.KVCache) -> kvc.KVCache:
@@ -195,14 +221,19 @@ class DFlashDrafter(nnx.Module):
     def __call__(self, x, positions, cache: kvc.KVCache):
         """Block embeddings x [B, b, D] at positions [B, b] -> final hidden [B, b, D] (the
         caller applies the target's lm_head). Context visible: slots < cache.lengths."""
+        if self.cfg.dflash2 is not None:
+            x = x * self.cfg.dflash2.input_embedding_scale
         x = x.astype(self.fc.kernel.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer.attn_norm(x)
-            x = x + layer.attn(
-                h, positions, cache.k[i], cache.v[i], cache.lengths, self.cfg.window(i)
-            )
-            x = x + layer.mlp(layer.mlp_norm(x))
+            x = layer(x, positions, cache.k[i], cache.v[i], cache.lengths, self.cfg.window(i))
         return self.norm(x)
+
+    def logits(self, head_logits):
+        """The target head's logits at the draft slots -> the drafter's, float32 (DFlash2
+        scales and caps them)."""
+        if self.cfg.dflash2 is None:
+            return jnp.asarray(head_logits, jnp.float32)
+        return self.cfg.dflash2.logits(head_logits)
 
 
 def build_drafter(cfg: DrafterConfig, dtype=jnp.bfloat16, seed: int = 0) -> DFlashDrafter:

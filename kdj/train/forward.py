@@ -132,6 +132,8 @@ def drafter_blocks(drafter: DFlashDrafter, embed, feats, tokens, anchors) -> jax
     every position; tokens [B, S]; anchors [B, N] int32 with anchors <= S - b.
     """
     cfg = drafter.cfg
+    if cfg.dflash2 is not None:  # this pass has no convolutions: it would train another model
+        raise NotImplementedError("training a DFlash2 drafter is not supported")
     b = cfg.block_size
     B, S = tokens.shape
     dtype = drafter.fc.kernel.dtype
