@@ -99,6 +99,9 @@ def draft(target, drafter, state: DecodeState, k: int):
     run the block at slots L .. L + k - 1. Returns (tree.Draft of depths 1 .. k - 1: logits
     [B, k - 1, V] float32, their log-normaliser and, for DFlash2, the selector's chain;
     state with the drafter's cache written)."""
+    if hasattr(drafter, "replay"):  # benchmarks' replay drafter (kdj/models/replay.py): tokens
+        logits = drafter.replay(state.out, state.n, state.tcache.lengths, k)
+        return trees.Draft.of(logits), state
     B, L = state.last.shape[0], state.dcache.lengths
     dcache = drafter.add_context(state.pending[:, :k], L - state.n_pend, state.dcache)
     block = jnp.full((B, k), drafter.cfg.mask_token_id, jnp.int32).at[:, 0].set(state.last)
