@@ -241,6 +241,17 @@ SUITES = {
             ),
         ),
     ),  # fmt: skip
+    "replay": Suite(
+        "the concurrency table on the Moonlight-16B-A3B shape (random weights) at tau ~3 and ~5 "
+        "with the replay drafter (benchmarks only): AR, DFlash, DDTree 16, auto through the pool",
+        (
+            step(
+                "replay-table",
+                "replay_table.py --model moonlight-16b-a3b --taus 3 5 --clients 1 4 16 64 256 "
+                "--methods ar dflash ddtree16 auto --out {out}/replay_table.json",
+            ),
+        ),
+    ),  # fmt: skip
     "projection": Suite(
         "auto projected on the Moonlight shape: its step times x the pair's tau (run pair "
         "first, same --out)",

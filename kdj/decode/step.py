@@ -98,8 +98,9 @@ def draft(target, drafter, state: DecodeState, k: int):
     """Take in the pending context (at most k features: a drafted step queues a + 1), then
     run the block at slots L .. L + k - 1. Returns (tree.Draft of depths 1 .. k - 1: logits
     [B, k - 1, V] float32, their log-normaliser and, for DFlash2, the selector's chain;
-    state with the drafter's cache written)."""
-    if hasattr(drafter, "replay"):  # benchmarks' replay drafter (kdj/models/replay.py): tokens
+    state with the drafter's cache written). A replay drafter (benchmarks only) drafts from
+    the row's emitted tokens and position instead, and leaves the state as it is."""
+    if hasattr(drafter, "replay"):  # kdj/models/replay.py: no layers, no context to take in
         logits = drafter.replay(state.out, state.n, state.tcache.lengths, k)
         return trees.Draft.of(logits), state
     B, L = state.last.shape[0], state.dcache.lengths
