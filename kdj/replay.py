@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -109,7 +110,7 @@ def calibrate(target: Target, recording: Recording, tau: float, method: str = "d
     reaches `tau`: bisection over [0, 1], at most `steps` measurements after the two ends,
     stopping within `tolerance`. With a fixed seed a higher rate corrupts a superset of the
     contexts, so tau falls as the rate rises. A tau beyond what the ends give is refused."""
-    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau):
+    if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or not math.isfinite(tau):
         raise ValueError(f"tau must be a number (got {tau!r})")
     drafter = replay_drafter(target, recording, 0.0, block_size, seed)
 
@@ -127,21 +128,24 @@ def calibrate(target: Target, recording: Recording, tau: float, method: str = "d
     if tau < worst[1] - tolerance:
         raise ValueError(f"tau {tau} is out of reach: fully corrupted replay still gets "
                          f"{worst[1]:.2f} with {method}")  # fmt: skip
-    found = {0.0: best, 1.0: worst}
+    found = {0.0: best, 1.0: worst}  # rate -> (drafter, tau measured)
+
+    def closest():
+        return min(found, key=lambda r: abs(found[r][1] - tau))
+
     for _ in range(steps):
-        rate = min(found, key=lambda r: abs(found[r][1] - tau))
-        if abs(found[rate][1] - tau) <= tolerance:
+        if abs(found[closest()][1] - tau) <= tolerance:
             break
         mid = (lo + hi) / 2
         found[mid] = at(mid)
         lo, hi = (mid, hi) if found[mid][1] > tau else (lo, mid)
-    rate = min(found, key=lambda r: abs(found[r][1] - tau))
+    rate = closest()
     d, got = found[rate]
     return Calibrated(dataclasses.replace(d, prior_acceptance=got), rate, got)
 
 
 def _check_rate(corrupt) -> None:
-    ok = isinstance(corrupt, (int, float)) and not isinstance(corrupt, bool)
+    ok = isinstance(corrupt, numbers.Real) and not isinstance(corrupt, bool)
     if not ok or not 0.0 <= corrupt <= 1.0:
         raise ValueError(f"corrupt must be a probability in [0, 1] (got {corrupt!r})")
 
