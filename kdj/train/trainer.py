@@ -158,14 +158,18 @@ def grown_params(fresh: dict, init: dict) -> dict:
     return out
 
 
-def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+def lr_schedule(cfg: OptimConfig) -> optax.Schedule:
+    """The learning rate of each step: linear warmup from 0, then cosine decay to end_lr_frac."""
     warmup = max(1, int(cfg.warmup_frac * cfg.steps))
-    schedule = optax.warmup_cosine_decay_schedule(
+    return optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1), end_value=cfg.lr * cfg.end_lr_frac
     )
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     return optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip),
-        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
+        optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
     )
 
 
@@ -283,6 +287,15 @@ class DrafterTrainer:
         )
         self.step += 1
         return metrics
+
+    def learning_rate(self) -> float:
+        """The learning rate the next step takes: the schedule at the optimiser's own count
+        (restored with its state, so a resumed trainer continues the schedule, not restarts)."""
+        states = jax.tree.leaves(
+            self.opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState)
+        )
+        (state,) = [s for s in states if isinstance(s, optax.ScaleByScheduleState)]
+        return float(lr_schedule(self.optim)(state.count))
 
     # ------------------------------------------------------------------ checkpoints
     def _manager(self):
