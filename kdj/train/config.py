@@ -10,7 +10,9 @@ the random initialisation, as float32 masters; the optimiser state and the learn
 schedule start fresh (step 0, warmup included). The shape fields of the section must describe
 that drafter (layers, block size, mask token, feature layers, widths): a mismatch is a
 ValueError naming the field. A checkpoint of the same run in <out_dir>/checkpoints takes
-precedence over init_from (exact resume of the continued run).
+precedence over init_from (exact resume of the continued run). An online campaign's
+`online.resume_state` (a resume bundle, kdj/train/resume.py) supersedes init_from too: its
+weights, optimiser state and schedule position continue, in another out_dir or window.
 
 More data from the same conversations (both off by default: turns first, one sample):
 `data.turns` picks the prompts. "first" (default): the first user message of each of the
