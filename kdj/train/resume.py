@@ -38,6 +38,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from kdj.train.trainer import shape_fields
+
 FORMAT, VERSION = "kdj-drafter-resume", 1
 MANIFEST = "resume.json"
 PART_BYTES = 15 * 2**20  # a part plus nothing else fits one 16 MiB result file
@@ -88,10 +90,8 @@ def _json(value):
 
 def trainer_fields(trainer) -> dict:
     """What must agree between a bundle's trainer and the trainer it resumes."""
-    from kdj.train.trainer import _shape_fields
-
     optim = {k: getattr(trainer.optim, k) for k in SCHEDULE_FIELDS}
-    return _json({"drafter": _shape_fields(trainer.cfg), "optim": optim})
+    return _json({"drafter": shape_fields(trainer.cfg), "optim": optim})
 
 
 def _sha256(data) -> str:

@@ -61,8 +61,8 @@ def drafter_config_for(target_cfg, shape: DrafterShape) -> DrafterConfig:
     )
 
 
-def _shape_fields(cfg: DrafterConfig) -> dict:
-    """What must agree between a drafter to start from and the drafter being trained."""
+def shape_fields(cfg: DrafterConfig) -> dict:
+    """What must agree between a drafter (or a resume bundle) and the drafter being trained."""
     lc = cfg.layers
     return {
         "num_layers": lc.num_layers,
@@ -93,7 +93,7 @@ def load_init_params(source, drafter_cfg: DrafterConfig, grow: bool = False,
     may have fewer layers than `drafter_cfg` (see grown_params). retap: it may tap other
     target layers, as many as `drafter_cfg` taps."""
     loaded = load_drafter(source, dtype=jnp.float32)
-    have, want = _shape_fields(loaded.cfg), _shape_fields(drafter_cfg)
+    have, want = shape_fields(loaded.cfg), shape_fields(drafter_cfg)
     unset = {"num_target_layers": -1, "vocab_size": 0}
     if grow:  # the layer count and the FFN width (and the per-layer types) may only increase
         for k in ("num_layers", "intermediate_size"):
