@@ -22,7 +22,7 @@ that define the schedule and the update (SCHEDULE_FIELDS). Resuming under anothe
 any of them is a ValueError naming the field and both values; a missing part is a
 FileNotFoundError and a corrupt one a ValueError, each naming the part.
 
-A bundle is replaced without a window where no valid one exists: the new parts are written
+A bundle is replaced with no moment where no valid one exists: the new parts are written
 beside the old (their names carry their checksums), then the manifest is swapped in one
 rename, then the old parts are removed.
 """
