@@ -97,6 +97,15 @@ def test_train_drafter_overrides_reach_the_config(monkeypatch):
     assert (cfg.optim.steps, cfg.drafter.num_layers, cfg.out_dir) == (7, 2, "out/x")
     assert cfg.drafter.init_from is None
     assert tuple(cfg.drafter.target_layer_ids) == (1, 10, 18, 27)  # fixed across depths
+    # --resume-state: the online campaign's next window continues the last one's bundle
+    import kdj.train.online
+
+    monkeypatch.setattr(kdj.train.online, "run_online", lambda cfg: seen.update(online=cfg))
+    online = ["train-drafter", "--config", "configs/train/smollm2-online.yaml"]
+    assert main([*online, "--resume-state", "w/resume/resume.json"]) == 0
+    assert seen["online"].online.resume_state == "w/resume/resume.json"
+    with pytest.raises(SystemExit, match="--resume-state continues an online campaign"):
+        main([*args, "--resume-state", "w/resume/resume.json"])
 
 
 def test_eval_acceptance_compares_drafters_against_one_ar_run(tmp_path, capsys):

@@ -1127,6 +1127,26 @@ def test_online_rounds_train_on_fresh_data_and_resume(target, tmp_path, monkeypa
     assert steps == {"main": 4, "greedy": 8}  # two passes a round, each round's data
     kdj.load_drafter(tmp_path / "run" / "greedy" / "drafter", target=target)
 
+    # the next window, in a fresh out_dir: the bundle the last call wrote carries both
+    # drafters' state and the stream on (and supersedes init_from, which is not read)
+    bundle = tmp_path / "run" / "resume" / "resume.json"
+    manifest = json.loads(bundle.read_text())
+    assert manifest["online_state"] == s2
+    assert {k: t["step"] for k, t in manifest["trainers"].items()} == steps
+    nxt = dataclasses.replace(
+        cfg, out_dir=str(tmp_path / "next"),
+        drafter=dataclasses.replace(shape, init_from=str(tmp_path / "nothing here")),
+        online=dataclasses.replace(cfg.online, resume_state=str(bundle)),
+    )  # fmt: skip
+    third = run_online(nxt, log=lambda *_: None)
+    assert third["call_start"]["stream_pos"] == s2["stream_pos"]
+    assert third["call_start"]["magpie_rounds"] == 2 and third["call_start"]["rounds"] == 0
+    assert third["resumed_state"] == str(bundle)
+    assert {k: d["step"] for k, d in third["first_eval"]["drafters"].items()} == steps
+    for name in ("drafter", "greedy/drafter"):  # the same weights, exported again
+        old, new = (tmp_path / d / name / "model.safetensors" for d in ("run", "next"))
+        assert old.read_bytes() == new.read_bytes()
+
 
 def test_compare_entries_take_optim_overrides_and_reject_unknown_keys():
     from kdj.train.config import CompareEntry, OnlineConfig, TrainConfig

@@ -31,6 +31,11 @@ def cmd_train_drafter(args) -> int:
         cfg.drafter.init_from = args.init_from or None  # "" trains from random weights
     if args.num_layers is not None:
         cfg.drafter.num_layers = args.num_layers
+    if args.resume_state is not None:
+        if cfg.online is None:
+            raise SystemExit(f"--resume-state continues an online campaign; {args.config} has "
+                             "no online section")  # fmt: skip
+        cfg.online.resume_state = args.resume_state
     (run_online if cfg.online is not None else run_training)(cfg)
     return 0
 
@@ -165,6 +170,11 @@ def add_parsers(sub) -> None:
         "--num-layers",
         type=values.POSITIVE,
         help=f"override drafter.num_layers (ablations; {keep})",
+    )
+    t.add_argument(
+        "--resume-state",
+        help="override online.resume_state: the last window's resume bundle (its "
+        "<out_dir>/resume/resume.json) to continue its weights, optimiser and schedule",
     )
     t.set_defaults(fn=cmd_train_drafter)
     e = sub.add_parser("eval-acceptance", help="tau and speed of DFlash / DDTree vs AR")

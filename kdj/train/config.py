@@ -10,7 +10,9 @@ the random initialisation, as float32 masters; the optimiser state and the learn
 schedule start fresh (step 0, warmup included). The shape fields of the section must describe
 that drafter (layers, block size, mask token, feature layers, widths): a mismatch is a
 ValueError naming the field. A checkpoint of the same run in <out_dir>/checkpoints takes
-precedence over init_from (exact resume of the continued run).
+precedence over init_from (exact resume of the continued run). An online campaign's
+`online.resume_state` (a resume bundle, kdj/train/resume.py) supersedes init_from too: its
+weights, optimiser state and schedule position continue, in another out_dir or window.
 
 More data from the same conversations (both off by default: turns first, one sample):
 `data.turns` picks the prompts. "first" (default): the first user message of each of the
@@ -179,6 +181,11 @@ class OnlineConfig:
     eval_every_rounds: int = 4  # held-out tau every this many rounds (0: only at the end)
     stream_start: int = 0  # first ShareGPT stream position of this window
     resume_from: str | None = None  # an earlier window's campaign.json: continue its stream
+    # an earlier window's resume bundle (<its out_dir>/resume/resume.json, kdj/train/resume.py):
+    # continue its weights, optimiser state, schedule and stream; supersedes resume_from and
+    # drafter.init_from. Its drafter shapes and schedule fields must match this config.
+    resume_state: str | None = None
+    resume_part_mib: float = 15.0  # largest part of the bundle written each round (MiB)
     # other drafters trained side by side on the same rounds, each in <out_dir>/<name>: an
     # ablation at equal data that shares the generation. Each entry is a drafter-section dict
     # (its shape and init_from), optionally with `optim:` overrides of the optim section.
@@ -191,6 +198,8 @@ class OnlineConfig:
             raise ValueError("online.sequences_per_round must be >= 1")
         if not self.sharegpt_temperatures or min(self.sharegpt_temperatures) < 0:
             raise ValueError("online.sharegpt_temperatures must be a non-empty list of >= 0")
+        if not self.resume_part_mib > 0:
+            raise ValueError(f"online.resume_part_mib must be > 0, not {self.resume_part_mib}")
         self.compare = {name: CompareEntry.of(name, e) for name, e in self.compare.items()}
 
 

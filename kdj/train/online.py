@@ -18,6 +18,11 @@ Where a window starts is a function of the campaign so far: `OnlineState` (strea
 rounds, tokens) is saved beside every checkpoint and in <out_dir>/campaign.json, and a new
 window (a later GPU session) passes the last window's state in `online.resume_from` (or
 starts from `online.stream_start`), so no (prompt, seed) pair is ever drawn twice.
+
+One schedule across windows: every round also writes <out_dir>/resume/ (kdj/train/resume.py),
+a bundle of every drafter's float32 weights, optimiser state and step with the stream
+position, in parts small enough to come back from the GPU machine. A new window that passes
+it in `online.resume_state` continues exactly there: the same schedule, not a new warmup.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import numpy as np
 from kdj.train.config import OnlineConfig
 from kdj.train.data import chat_prompt_ids, respond
 from kdj.train.loop import chat_prompts, held_out_tau, prepare_prompts
+from kdj.train.resume import read_bundle, restore_trainers, write_bundle
 from kdj.train.trainer import DrafterTrainer, drafter_config_for
 
 MAGPIE_MARK = "\x00kdj-user-turn\x00"  # split point of a rendered template
@@ -55,6 +61,10 @@ class OnlineState:
     def load(path) -> OnlineState:
         d = json.loads(Path(path).read_text())
         return OnlineState(**d.get("state", d))
+
+    def new_window(self) -> OnlineState:
+        """The stream position carried on; the per-window counts start at zero."""
+        return OnlineState(stream_pos=self.stream_pos, magpie_rounds=self.magpie_rounds)
 
 
 def sharegpt_stream(n_turns: int, seed: int, start: int, count: int):
@@ -187,20 +197,24 @@ def run_online(cfg, log=print) -> dict:
     t_start = time.perf_counter()
     online = cfg.online
     out = Path(cfg.out_dir)
+    state_path = out / "online_state.json"
+    bundle = None
+    if online.resume_state and not state_path.exists():  # verified before the target loads
+        bundle = read_bundle(online.resume_state)
+        if bundle.online_state is None:
+            raise ValueError(f"resume bundle {bundle.path} holds no online stream position")
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     target = kdj.load_target(cfg.target, dtype=cfg.target_dtype, mesh=cfg.mesh)
     turns, _, evals = prepare_prompts(cfg, target.tokenizer)
     capacity = -(-(cfg.data.max_prompt_tokens + cfg.data.max_response_tokens) // 128) * 128
 
-    state_path = out / "online_state.json"
     if state_path.exists():  # a later call of the same window: resume with the checkpoint
         state = OnlineState.load(state_path)
+    elif bundle is not None:
+        state = OnlineState(**bundle.online_state).new_window()
     elif online.resume_from:
-        state = OnlineState.load(online.resume_from)
-        state = dataclasses.replace(state, rounds=0, sequences=0, response_tokens=0,
-                                    sharegpt_sequences=0, magpie_sequences=0,
-                                    magpie_rejected=0)  # fmt: skip
+        state = OnlineState.load(online.resume_from).new_window()
     else:
         state = OnlineState(stream_pos=online.stream_start)
     call_start = dataclasses.asdict(state)
@@ -209,11 +223,13 @@ def run_online(cfg, log=print) -> dict:
     earlier = json.loads(record.read_text()) if state_path.exists() and record.exists() else {}
 
     empty = np.zeros((1, cfg.optim.max_len), np.int32)
+    o = cfg.optim
 
     def make_trainer(shape, folder, optim):
+        init_from = None if bundle is not None else shape.init_from  # the bundle's weights win
         return DrafterTrainer(
             target, drafter_config_for(target.cfg, shape), optim, empty, empty.astype(bool),
-            folder, init_from=shape.init_from, grow=shape.grow, retap=shape.retap,
+            folder, init_from=init_from, grow=shape.grow, retap=shape.retap,
         )  # fmt: skip
 
     # "main" is the campaign's drafter; the others train on the same rounds for comparison
@@ -243,6 +259,22 @@ def run_online(cfg, log=print) -> dict:
         logf.flush()
 
     resumed = [tr.restore() for tr in trainers.values()][0]
+    if bundle is not None and not resumed:
+        dropped = restore_trainers(bundle, trainers, cfg.target)
+        log(f"resumed {bundle.path}: step {trainer.step} of {o.steps}, next lr "
+            f"{trainer.learning_rate():.3g}, stream position {state.stream_pos}"
+            + (f"; not resumed (no longer configured): {dropped}" if dropped else ""))  # fmt: skip
+    bundle_path = out / "resume"
+    part_bytes = max(1, int(online.resume_part_mib * 2**20))
+
+    def checkpoint():
+        """Orbax checkpoints for later calls of this window, the bundle for the next window."""
+        for tr in trainers.values():
+            tr.save()
+        state_path.write_text(json.dumps(dataclasses.asdict(state)))
+        write_bundle(bundle_path, trainers, cfg.target, dataclasses.asdict(state), part_bytes,
+                     replace=True)  # fmt: skip
+
     first_round = state.rounds + 1
     first_eval = None
     if not resumed:
@@ -254,7 +286,6 @@ def run_online(cfg, log=print) -> dict:
         return (time.perf_counter() - t_start) / 60
 
     budget = cfg.optim.max_minutes
-    o = cfg.optim
     # A round starts only if it can end within the budget, judged by the fastest round so far
     # (the first round also compiles every program: half of it is the estimate after it).
     round_s = 0.0
@@ -290,9 +321,7 @@ def run_online(cfg, log=print) -> dict:
             f"{steps} steps in {train_s:.0f} s; loss {metrics['loss']:.3f} "
             f"train tau {metrics['tau']:.2f}"
         )
-        for tr in trainers.values():
-            tr.save()
-        state_path.write_text(json.dumps(dataclasses.asdict(state)))
+        checkpoint()
         if online.eval_every_rounds and state.rounds % online.eval_every_rounds == 0:
             e = evaluate()
             evals_done.append(e)
@@ -301,10 +330,9 @@ def run_online(cfg, log=print) -> dict:
         took = time.perf_counter() - t0
         round_s = took / 2 if state.rounds == first_round else min(round_s, took)
     logf.close()
+    checkpoint()
     for name, tr in trainers.items():
-        tr.save()
         tr.export((out if name == "main" else out / name) / "drafter")
-    state_path.write_text(json.dumps(dataclasses.asdict(state)))
     path = out / "drafter"
     final = evaluate()
     with log_path.open("a") as f:
@@ -317,6 +345,8 @@ def run_online(cfg, log=print) -> dict:
         "first_eval": earlier.get("first_eval", first_eval),
         "final_eval": final,
         "evals": earlier.get("evals", []) + evals_done,
+        "resumed_state": earlier.get("resumed_state", str(bundle.path) if bundle else None),
+        "resume_bundle": str(bundle_path / "resume.json"),
         "online": dataclasses.asdict(online),
     }
     record.write_text(json.dumps(campaign, indent=2))

@@ -61,8 +61,8 @@ def drafter_config_for(target_cfg, shape: DrafterShape) -> DrafterConfig:
     )
 
 
-def _shape_fields(cfg: DrafterConfig) -> dict:
-    """What must agree between a drafter to start from and the drafter being trained."""
+def shape_fields(cfg: DrafterConfig) -> dict:
+    """What must agree between a drafter (or a resume bundle) and the drafter being trained."""
     lc = cfg.layers
     return {
         "num_layers": lc.num_layers,
@@ -93,7 +93,7 @@ def load_init_params(source, drafter_cfg: DrafterConfig, grow: bool = False,
     may have fewer layers than `drafter_cfg` (see grown_params). retap: it may tap other
     target layers, as many as `drafter_cfg` taps."""
     loaded = load_drafter(source, dtype=jnp.float32)
-    have, want = _shape_fields(loaded.cfg), _shape_fields(drafter_cfg)
+    have, want = shape_fields(loaded.cfg), shape_fields(drafter_cfg)
     unset = {"num_target_layers": -1, "vocab_size": 0}
     if grow:  # the layer count and the FFN width (and the per-layer types) may only increase
         for k in ("num_layers", "intermediate_size"):
@@ -158,14 +158,18 @@ def grown_params(fresh: dict, init: dict) -> dict:
     return out
 
 
-def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+def lr_schedule(cfg: OptimConfig) -> optax.Schedule:
+    """The learning rate of each step: linear warmup from 0, then cosine decay to end_lr_frac."""
     warmup = max(1, int(cfg.warmup_frac * cfg.steps))
-    schedule = optax.warmup_cosine_decay_schedule(
+    return optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1), end_value=cfg.lr * cfg.end_lr_frac
     )
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     return optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip),
-        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
+        optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
     )
 
 
@@ -283,6 +287,15 @@ class DrafterTrainer:
         )
         self.step += 1
         return metrics
+
+    def learning_rate(self) -> float:
+        """The learning rate the next step takes: the schedule at the optimiser's own count
+        (restored with its state, so a resumed trainer continues the schedule, not restarts)."""
+        states = jax.tree.leaves(
+            self.opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState)
+        )
+        (state,) = [s for s in states if isinstance(s, optax.ScaleByScheduleState)]
+        return float(lr_schedule(self.optim)(state.count))
 
     # ------------------------------------------------------------------ checkpoints
     def _manager(self):
