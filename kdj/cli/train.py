@@ -174,7 +174,8 @@ def add_parsers(sub) -> None:
     t.add_argument(
         "--resume-state",
         help="override online.resume_state: the last window's resume bundle (its "
-        "<out_dir>/resume/resume.json) to continue its weights, optimiser and schedule",
+        "<out_dir>/resume/resume.json) to continue its weights, optimiser and schedule "
+        "(default: the config's, none starts fresh)",
     )
     t.set_defaults(fn=cmd_train_drafter)
     e = sub.add_parser("eval-acceptance", help="tau and speed of DFlash / DDTree vs AR")
