@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import socket
 import threading
@@ -81,6 +82,55 @@ def test_pool_stop_tokens_cancel_and_bad_requests(target):
                      (Request([1], 4, [], top_p=0.0), "top_p")]:  # fmt: skip
         with pytest.raises(ValueError, match=why):
             engine.submit(bad)
+
+
+def test_the_host_queues_admission_and_the_next_chunk_while_the_device_runs(target):
+    """The pool lives on the device thread: with the device held inside a chunk, the host's
+    next turn still queues a newcomer's prefill and the next chunk before it waits for the
+    held chunk's report."""
+    prompts, _ = prompts_and_budgets(target, 2, seed=2)
+    engine = Engine(target, max_batch=4, cache_size=64, max_new_cap=6, widths=(4,))
+    gate = threading.Event()
+    engine.submit(Request(prompts[0], 6, []))
+    engine._device.submit(gate.wait)  # the device is busy until the gate opens
+    assert engine.step() == []  # chunk 0 queued behind the gate; its report is read later
+    engine.submit(Request(prompts[1], 6, []))
+    got = []
+    turn = threading.Thread(target=lambda: got.extend(engine.step()))
+    turn.start()
+    deadline = time.monotonic() + 60
+    while engine.stats.chunks < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    queued = engine.stats.chunks
+    gate.set()
+    turn.join(60)
+    assert queued == 2, "the host waited for the device before queueing the next chunk"
+    while engine.busy:
+        got += engine.step()
+    tokens = {u.id: [] for u in got}
+    for u in got:
+        tokens[u.id] += u.tokens
+    assert [tokens[0], tokens[1]] == alone(target, prompts, [6, 6])
+
+
+def test_a_failed_pool_program_fails_what_follows_until_reset(target):
+    """A program that raises on the device thread fails every later one (none runs on a
+    pool it left halfway) until reset gives a fresh pool, which serves again."""
+    prompts, _ = prompts_and_budgets(target, 1, seed=3)
+    engine = Engine(target, max_batch=1, cache_size=64, max_new_cap=4, widths=(1,))
+    state = engine.pool.state
+    bad = dataclasses.replace(state, done=jnp.zeros((3,), bool))  # not the program's shape
+    engine.pool = engine.pool._replace(state=bad)
+    engine.submit(Request(prompts[0], 4, []))
+    engine.step()
+    with pytest.raises(RuntimeError, match="earlier pool program failed"):
+        engine.step()
+    assert engine.reset() == [0]
+    engine.submit(Request(prompts[0], 4, []))
+    out = []
+    while engine.busy:
+        out += engine.step()
+    assert [t for u in out for t in u.tokens] == alone(target, prompts, [4])[0]
 
 
 def test_max_batch_must_be_positive(target):

@@ -15,11 +15,13 @@
 
 The host runs one chunk behind the device (`lookahead`): it queues chunk k+1 (and any
 admission's prefill before it) and only then reads chunk k's report, so the device works
-through the host's turn instead of waiting for it. A chunk's program is called on the
-engine's own device thread: on a GPU the call returns only when the chunk's while_loop has
-finished (XLA reads each iteration's predicate back to the host), so called from the host's
-thread it would hold the host for the whole chunk. A slot that finished in chunk k is seen
-(and refilled) one chunk late; that costs the slot a chunk, not the pool a host turn.
+through the host's turn instead of waiting for it. The pool lives on the engine's own device
+thread: every program that reads or writes it (a chunk, a prefill, a resize, freeing slots)
+is queued there in order, and the host only waits for reports. On a GPU a chunk's call
+returns only when its while_loop has finished (XLA reads each iteration's predicate back to
+the host), so a host that touched the pool itself would wait for the whole chunk before it
+could admit anyone. A slot that finished in chunk k is seen (and refilled) one chunk late;
+that costs the slot a chunk, not the pool a host turn.
 
 Finished and free slots ride along without advancing (`done`), as in kdj/decode/loop.py.
 Since a step computes every row of its compiled width, the pool runs at the smallest width
@@ -153,10 +155,12 @@ class Engine:
         self.chunk_widths: collections.deque[int] = collections.deque(maxlen=HISTORY)
         self.resizes = 0
         self.stats = TurnStats()
-        self._pool = self._empty(self.width)
-        self._pending: concurrent.futures.Future | None = None  # the chunk the device runs
-        self._device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kdj-device")
+        self._shapes: dict[int, pool.Pool] = {}  # each width's pool as shapes (programs' keys)
         self._programs: dict[tuple, object] = {}  # (kind, width, ...) -> its compiled program
+        # the device thread's own: the pool, and the error that broke its queue (if any)
+        self._pool = self._empty(self.width)
+        self._broken: BaseException | None = None
+        self._device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kdj-device")
 
     def _drafting_plans(self, drafter, block_size, menu, cost) -> None:
         """Each width's Plan and priors: `menu` and `cost` one for every width, or one per
@@ -187,22 +191,48 @@ class Engine:
 
     @property
     def pool(self) -> pool.Pool:
-        """The pool's device state, once the chunk in flight (if any) has returned it."""
-        self._settle()
-        return self._pool
+        """The pool's device state once everything queued has run (tests, inspection)."""
+        return self._device.submit(lambda: self._pool).result()
 
     @pool.setter
     def pool(self, value: pool.Pool) -> None:
-        self._pending = None  # a pool set here supersedes the one the device would return
-        self._pool = value
+        """Replace the pool after everything queued; a queue broken by a failed program
+        serves again from here."""
+        self._device.submit(self._restart, value)
 
-    def _settle(self) -> None:
-        """Wait for the chunk the device thread runs: its pool is the pool from now on."""
-        if self._pending is not None:
-            t0 = time.perf_counter()
-            pending, self._pending = self._pending, None
-            self._pool = pending.result().pool
-            self.stats.wait_s += time.perf_counter() - t0
+    def _queue(self, fn, *args) -> concurrent.futures.Future:
+        """Run `fn(pool, *args)` on the device thread after everything queued before it. It
+        returns the new pool, or a Ran (the pool and a report). Once one program raised,
+        each later one raises too until the pool is replaced (`reset`): none runs on the
+        state of a program that failed halfway."""
+        return self._device.submit(self._apply, fn, *args)
+
+    def _apply(self, fn, *args):
+        if self._broken is not None:
+            raise RuntimeError(f"an earlier pool program failed: {self._broken}")
+        try:
+            out = fn(self._pool, *args)
+        except BaseException as e:
+            self._broken = e
+            raise
+        self._pool = out.pool if isinstance(out, Ran) else out
+        return out
+
+    def _restart(self, value: pool.Pool) -> None:
+        self._pool, self._broken = value, None
+
+    def _shape(self, width: int) -> pool.Pool:
+        """The pool of `width` slots as shapes on the device: what a program is looked up by."""
+        if width not in self._shapes:
+            on_device = jnp.zeros(()).sharding  # where the pool's arrays live: part of the key
+
+            def shaped(x):
+                return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_device,
+                                            weak_type=x.weak_type)  # fmt: skip
+
+            empty = jax.eval_shape(lambda: self._empty(width))
+            self._shapes[width] = jax.tree.map(shaped, empty)
+        return self._shapes[width]
 
     def _program(self, key: tuple, fn, *args, **static):
         """The compiled `fn` for the pool's program `key` ((kind, width, ...)), found in the
@@ -296,13 +326,13 @@ class Engine:
         if live:
             self.chunk_widths.append(self.width)
             plan = dataclasses.replace(self.plan, greedy=self.greedy)
-            fn = self._chunk_program(self.pool, self.width, plan)
+            fn = self._chunk_program(self._shape(self.width), self.width, plan)
             wake = max(self.wake, math.ceil(self.wake_share * live))
             _, ts, _, ds = self._graphs()
-            args = (ts, ds, self.pool, jnp.int32(self.bounds[self.width]), jnp.int32(wake))
-            self._pending = self._device.submit(_run_chunk, fn, *args)
+            bound = np.int32(self.bounds[self.width])
+            ran = self._queue(_run_chunk, fn, ts, ds, bound, np.int32(wake))
             choices = (*map(str, self.plans[self.width].menu), "plain")
-            self.inflight.append(InFlight(self._pending, list(self.slots), self.width, choices))
+            self.inflight.append(InFlight(ran, list(self.slots), self.width, choices))
             self.stats.chunks += 1
             self.stats.widths[self.width] = self.stats.widths.get(self.width, 0) + 1
         if self.inflight and (len(self.inflight) > self.lookahead or not live):
@@ -326,9 +356,7 @@ class Engine:
         self.waiting = collections.deque(r for r in self.waiting if r.id not in self.cancelled)
         freed = [b for b, r in enumerate(self.slots) if r is not None and r.id in self.cancelled]
         if freed:
-            state = self.pool.state
-            done = state.done.at[jnp.asarray(freed)].set(True)
-            self.pool = self.pool._replace(state=dataclasses.replace(state, done=done))
+            self._queue(_free, np.asarray(freed, np.int32))
         updates = dropped
         for b in freed:  # their steps as of the last report: the device is not waited for
             rid = self.slots[b].id
@@ -357,15 +385,15 @@ class Engine:
         if width == self.width or not (live or self.waiting):
             return
         if live:
-            rows = jnp.asarray(live + [-1] * (width - len(live)), jnp.int32)
-            args = (self.pool, self._empty(width), rows, self.priors[width])
+            rows = np.asarray(live + [-1] * (width - len(live)), np.int32)
+            args = (self._shape(self.width), self._shape(width), rows, self.priors[width])
             fn = self._program(("resize", self.width, width), resize, *args,
                                axes=self._slot_axes(width), src=self.plan,
                                dst=self.plans[width])  # fmt: skip
-            self.pool = fn(*args)
+            self._queue(lambda p: fn(p, self._empty(width), rows, self.priors[width]))
             self.resizes += 1
         else:
-            self.pool = self._empty(width)
+            self._queue(lambda p: self._empty(width))
         self.slots = [self.slots[b] for b in live] + [None] * (width - len(live))
         self.width = width
 
@@ -393,14 +421,7 @@ class Engine:
                 jobs.append(("chunk", w, plan))
                 jobs += [("prefill", w, plan, a) for a in self._row_buckets(w)]
         jobs += [("resize", a, b) for a in self.widths for b in self.widths if a != b]
-        on_device = jnp.zeros(()).sharding  # where the pool's arrays will be: part of the key
-
-        def shaped(x):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_device,
-                                        weak_type=x.weak_type)  # fmt: skip
-
-        pools = {w: jax.tree.map(shaped, jax.eval_shape(lambda w=w: self._empty(w)))
-                 for w in self.widths}  # fmt: skip
+        pools = {w: self._shape(w) for w in self.widths}
         for w in self.widths:  # each width's slot axes, before the threads
             self._slot_axes(w)
         get = self.target.executables.get
@@ -469,9 +490,9 @@ class Engine:
         for c in range(chunks):
             new = jax.device_put(pool.prompt_chunk(rows, c, C, W))  # one transfer per chunk
             fn = self._program(("prefill", W, A, plan.greedy), pool.prefill, tg, ts, dg, ds,
-                               self.pool, new, self.priors[W], options=self._xla,
+                               self._shape(W), new, self.priors[W], options=self._xla,
                                plan=plan)  # fmt: skip
-            self.pool = fn(ts, ds, self.pool, new, self.priors[W])
+            self._queue(lambda p, fn=fn, new=new: fn(ts, ds, p, new, self.priors[W]))
             self.stats.prefills += 1
 
     def _collect(self, flight: InFlight) -> list[Update]:
@@ -510,13 +531,20 @@ class Ran(NamedTuple):
     report: pool.Report
 
 
-def _run_chunk(fn, *args) -> Ran:
+def _run_chunk(pool_: pool.Pool, fn, ts, ds, bound, wake) -> Ran:
     """On the device thread: one chunk, its report's copies to the host started at once."""
-    pool_, report = fn(*args)
+    pool_, report = fn(ts, ds, pool_, bound, wake)
     for x in report:  # the host reads them a chunk later
         if x is not None:
             x.copy_to_host_async()
     return Ran(pool_, report)
+
+
+def _free(pool_: pool.Pool, rows: np.ndarray) -> pool.Pool:
+    """On the device thread: `rows` ride along as done from the next chunk on (cancelled)."""
+    state = pool_.state
+    done = state.done.at[rows].set(True)
+    return pool_._replace(state=dataclasses.replace(state, done=done))
 
 
 class InFlight(NamedTuple):
