@@ -77,9 +77,10 @@ class KernelPolicy:
     attention_nodes_per_tile: int = 1
     # Record conditionals into XLA's command buffers (CUDA graphs with conditional nodes)
     # beside the kernels and GEMMs XLA records by default: outside a graph a conditional
-    # copies its branch index to the host and waits for it, mid-step (auto's per-step
-    # lax.switch). Programs without a conditional compile as before. Opt-in: the option names
-    # every kind it records, so an XLA whose own default list differs would run this one.
+    # copies its branch index to the host and waits for it, mid-step (sampling's top_p and
+    # the tree's compaction are conditionals). Programs without one compile as before.
+    # Opt-in: the option names every kind it records, so an XLA whose own default list
+    # differs would run this one.
     graph_conditionals: bool = False
 
     def __post_init__(self):

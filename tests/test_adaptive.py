@@ -353,8 +353,9 @@ def _scramble(x, salt: int):
 
 
 def scrambled_choice(shapes, gains, active, cost, context):
-    """Test double for the controller: a pseudo-random menu entry per step (from the mean
-    context length and the step's forecast), so one run visits many branches of the switch."""
+    """Test double for the controller: a pseudo-random drafting entry at every step (from the
+    mean context length and the slots' forecasts), so one run enters and leaves every
+    entry's loop many times."""
     return (_scramble(context + jnp.mean(gains), 1) % len(shapes)).astype(jnp.int32)
 
 
@@ -375,7 +376,7 @@ def switching(monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
-def test_greedy_auto_equals_ar_while_switching_every_branch(family, switching, tmp_path):
+def test_greedy_auto_equals_ar_while_switching_every_entry(family, switching, tmp_path):
     build(family, tmp_path, vocab_size=VOCAB, num_hidden_layers=3)
     target = kdj.load_target(tmp_path, dtype="float32")
     drafter = make_drafter(target, block=5)
@@ -384,7 +385,8 @@ def test_greedy_auto_equals_ar_while_switching_every_branch(family, switching, t
     ar = kdj.generate(target, prompts, method="ar", **kw)
     au = kdj.generate(target, prompts, drafter=drafter, method="auto", menu=MENU, **kw)
     assert au.tokens == ar.tokens
-    assert set(au.stats["draft_choices"]) == set(MENU[:2] + ["chain4"] + MENU[3:] + ["skip"])
+    # every drafting entry and skipped steps; "none" is never a drafted step's entry
+    assert set(au.stats["draft_choices"]) == {"chain2", "chain4", "tree3", "tree12", "skip"}
     assert max(max(t) for t in au.stats["acceptance_lengths"]) > 1
 
 
@@ -541,3 +543,25 @@ def test_bench_adaptive_compares_ar_across_batch_sizes():
     by = {r["batch"]: r.get("ar_identical_to_batch") for r in rows}
     assert by == {1: None, 4: {"batch": 1, "identical": 1.0},
                   8: {"batch": 4, "identical": 0.5}, 16: None}  # fmt: skip
+
+
+def test_autos_step_copies_no_layer_of_the_caches(vocab12_pair):
+    """auto verifies each menu entry in a loop of its own: its compiled pool chunk copies no
+    layer of the target's or the drafter's cache (a conditional whose branches write the
+    cache would copy every layer, every step)."""
+    import re
+
+    from kdj.decode import pool
+    from kdj.decode.engine import Engine
+
+    target, drafter = vocab12_pair
+    menu = auto.parse_menu("auto", ["none", "chain", "tree12"], 6, None)
+    engine = Engine(target, max_batch=4, cache_size=96, max_new_cap=8, drafter=drafter,
+                    menu=menu, widths=(4,))  # fmt: skip
+    engine.warm(modes=(True,))
+    state = engine.pool.state
+    layers = {tuple(x.shape) for x in state.tcache.k + state.tcache.v + state.dcache.k}
+    (program,) = target.executables.compiled(pool.chunk)
+    copies = re.finditer(r"= f32\[([\d,]+)\]\{[^}]*\} copy\(", program.as_text())
+    copied = {tuple(int(d) for d in m.group(1).split(",")) for m in copies}
+    assert layers and not layers & copied, f"layer caches copied: {layers & copied}"

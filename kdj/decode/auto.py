@@ -3,9 +3,10 @@
 A menu is a static tuple of DraftShapes ("none", "chainN", "treeN"), all compiled into one
 program. Before compiling, `paying_menu` drops the entries the cost model says cannot pay at
 this batch size. In the loop, a drafted step forecasts every entry's committed tokens from the
-drafter's own probabilities (`expected`), `choose` picks the best tokens per second, and while
-drafting itself is not forecast to pay (`drafting_pays`) steps skip the drafter, re-drafting
-at probes (`probe_wait`) to refresh the forecast.
+drafter's own probabilities (`expected`) into a running mean per slot; from it `pick` takes
+the entry of the best tokens per second for the next drafted steps, and while drafting itself
+is not forecast to pay (`drafting_pays`) steps skip the drafter, re-drafting at probes
+(`probe_wait`) to refresh the forecast.
 """
 
 from __future__ import annotations
@@ -182,14 +183,25 @@ def expected(shapes, draft, full, calibration):
 
 def choose(shapes, gains, active, cost, context):
     """Index into `shapes` maximising expected committed tokens per predicted second for the
-    whole batch (all rows run the same shape, finished ones too), once this step's draft is
-    done (its cost is sunk). gains [S, B] from `expected`; active [B]; context: mean
-    committed length of the active sequences."""
+    whole batch (all rows run the same shape, finished ones too), the draft's cost aside (a
+    drafted step pays it whatever it verifies). gains [S, B]: forecasts as `expected` gives
+    them; active [B]; context: mean committed length of the active sequences."""
     B = gains.shape[1]
     total = jnp.sum(jnp.where(active[None], gains, 0.0), axis=1)
     nodes = [0 if s.kind == "none" else s.size for s in shapes]
     seconds = jnp.stack([cost.seconds(B, 1 + n, context) for n in nodes]).astype(jnp.float32)
     return jnp.argmax(total / seconds).astype(jnp.int32)
+
+
+def pick(plan, ctrl, active, lengths):
+    """The menu index [] of the entry auto's next drafted step verifies: of the drafting
+    entries (never "none": skipping the drafter is `decide`'s), the one the slots' running
+    forecasts (ctrl.trend) say commits the most tokens per second."""
+    drafting = [i for i, s in enumerate(plan.menu) if s.kind != "none"]
+    shapes = tuple(plan.menu[i] for i in drafting)
+    trend = ctrl.trend[jnp.asarray(drafting)]
+    best = choose(shapes, trend, active, plan.cost, mean_context(lengths, active))
+    return jnp.asarray(drafting, jnp.int32)[best]
 
 
 def mean_context(lengths, active):

@@ -4,9 +4,10 @@ from kdj/decode/step.py:
     AR      plain_step
     DFlash  draft -> propose(chain) -> verify -> accept -> commit
     DDTree  draft -> propose(tree)  -> verify -> accept -> commit
-    auto    the same drafted step, the menu entry picked per step (`lax.switch`); while
-            drafting is not forecast to pay, runs of plain_step that queue the drafter's
-            features, then flush (kdj/decode/auto.py decides)
+    auto    the same drafted step in one inner loop per menu entry, each running while the
+            slots' running forecasts pick its entry; while drafting is not forecast to pay,
+            runs of plain_step that queue the drafter's features, then flush
+            (kdj/decode/auto.py decides)
 """
 
 from __future__ import annotations
@@ -89,8 +90,10 @@ def body(target, drafter, plan: Plan, going=None):
                 return plain_step(target, s, plan.greedy)
 
         return step
-    if not plan.can_skip:
+    if not plan.adaptive:
         return lambda s: drafted_step(target, drafter, s, plan)
+    if not plan.can_skip:
+        return lambda s: drafted_runs(target, drafter, s, plan, going)
     return lambda s: auto_runs(target, drafter, s, plan, going)
 
 
@@ -100,7 +103,7 @@ def run(target, drafter, state: DecodeState, plan: Plan) -> DecodeState:
 
 
 def check(shape, target, taps, plan, dist, full, tcache, last, limit, key, temperature, top_p):
-    """propose -> verify -> accept for one menu entry (one branch of auto's switch)."""
+    """propose -> verify -> accept for one menu entry."""
     with scope("propose"):
         tree = propose(shape, dist, full, limit, tcache.capacity - 1 - tcache.lengths)
     with scope("verify"):
@@ -108,12 +111,12 @@ def check(shape, target, taps, plan, dist, full, tcache, last, limit, key, tempe
     with scope("accept"):
         acc = accept(tree, verified, limit, key, temperature, top_p, block_size=plan.block_size,
                      greedy=plan.greedy)  # fmt: skip
-    # compaction stays outside the branch: inside one, XLA copies the whole cache every step
     return verified.tcache, acc
 
 
-def drafted_step(target, drafter, state: DecodeState, plan: Plan) -> DecodeState:
-    """draft -> propose -> verify -> accept -> commit, plus the step's records."""
+def drafted_step(target, drafter, state: DecodeState, plan: Plan, entry: int = 0) -> DecodeState:
+    """draft -> propose -> verify -> accept -> commit of the menu's `entry`, plus the step's
+    records (auto's: its forecasts of every entry, which pick the entries of later steps)."""
     i, key, active, limit = state.step, state.key, state.active, limits(state)
     L = state.tcache.lengths  # before the step
     context = auto.mean_context(L, active)
@@ -128,16 +131,8 @@ def drafted_step(target, drafter, state: DecodeState, plan: Plan) -> DecodeState
             raw = auto.expected(plan.menu, dist, full, state.calibration)  # [S, B]
     taps = drafter.cfg.target_layer_ids
     args = (dist, full, state.tcache, state.last, limit, key, state.temperature, state.top_p)
-    if plan.adaptive:
-        gains = auto.corrected(raw, auto.pooled(state.auto))
-        choice = auto.choose(plan.menu, gains, active, plan.cost, context)
-        branches = [functools.partial(check, s, target, taps, plan) for s in plan.menu]
-        # XLA copies the cache through a conditional; one loop per entry would not, but each
-        # loop's exit test is a host round trip, which costs more than the copies at batch 1
-        tcache, acc = jax.lax.switch(choice, branches, *args)
-    else:
-        choice = jnp.int32(0)
-        tcache, acc = check(plan.menu[0], target, taps, plan, *args)
+    choice = jnp.int32(entry)
+    tcache, acc = check(plan.menu[entry], target, taps, plan, *args)
     with scope("commit"):
         state, count = commit(state, tcache, acc)
         expect = jnp.where(active, raw[choice] if raw is not None else jnp.nan, 0)
@@ -145,6 +140,7 @@ def drafted_step(target, drafter, state: DecodeState, plan: Plan) -> DecodeState
         state = dataclasses.replace(state, stats=state.stats.record(i, count, size, choice, expect))
     if plan.adaptive:
         with scope("control"):
+            gains = auto.corrected(raw, auto.pooled(state.auto))
             ctrl = auto.observe(state.auto, plan, raw, gains, choice, acc.a, active, limit, L,
                                 state.tcache.capacity)  # fmt: skip
             if plan.can_skip:
@@ -178,8 +174,24 @@ def auto_runs(target, drafter, state: DecodeState, plan: Plan, going) -> DecodeS
     )
     with scope("flush"):
         state = flush(drafter, state)
-    return jax.lax.while_loop(
-        lambda s: going(s) & auto.draft_due(s.auto),
-        lambda s: drafted_step(target, drafter, s, plan),
-        state,
-    )
+    return drafted_runs(target, drafter, state, plan, going)
+
+
+def drafted_runs(target, drafter, state: DecodeState, plan: Plan, going) -> DecodeState:
+    """auto's drafted steps while they are due: one inner loop per drafting entry of the menu,
+    each running while the slots' running forecasts pick its entry (`auto.pick`). Loops, not
+    a lax.switch per step: XLA copies every layer's cache into and out of a conditional whose
+    branches write it, and reads its branch index back to the host; a loop's cache is
+    updated in place. A change of entry ends the body, and the next one takes it up."""
+    for k, shape in enumerate(plan.menu):
+        if shape.kind == "none":
+            continue
+
+        def due(s, k=k):
+            picked = auto.pick(plan, s.auto, s.active, s.tcache.lengths)
+            return going(s) & auto.draft_due(s.auto) & (picked == k)
+
+        state = jax.lax.while_loop(
+            due, lambda s, k=k: drafted_step(target, drafter, s, plan, k), state
+        )
+    return state
