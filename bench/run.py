@@ -252,6 +252,18 @@ SUITES = {
             ),
         ),
     ),  # fmt: skip
+    "pool-step": Suite(
+        "the slot pool's step with every slot busy (SmolLM2 shape, random, 2,048-token slots): "
+        "auto beside the fixed tree it picks, at widths 4, 16 and 64",
+        tuple(
+            step(
+                f"pool-step-{w}",
+                f"pool_step.py --model smollm2-135m --width {w} --slots 2048 --methods ar "
+                f"ddtree12 ddtree16 auto:tree12,tree16 --out {{out}}/pool_step_{w}.json",
+            )
+            for w in (4, 16, 64)
+        ),
+    ),  # fmt: skip
     "projection": Suite(
         "auto projected on the Moonlight shape: its step times x the pair's tau (run pair "
         "first, same --out)",

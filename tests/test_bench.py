@@ -225,6 +225,23 @@ def test_dense_gemv_smoke(tmp_path):
     assert {r["variant"] for r in rows if r["matrix"] == "mlp_down"} == {"xla", "gemv", "gemv/2"}
 
 
+def test_pool_step_smoke(tmp_path, tiny):
+    """bench/pool_step.py: the pool's step per method on a tiny dense model; auto's row says
+    which of its entries its steps ran."""
+    bench = load_bench("pool_step")
+    argv = ["--model", str(tiny["llama"]), "--dtype", "float32", "--width", "2", "--slots", "64",
+            "--prompt", "4", "--new", "6", "--block", "4", "--repeats", "1", "--methods", "ar",
+            "ddtree3", "auto:chain2,tree3", "--out", str(tmp_path / "p.json")]  # fmt: skip
+    res = bench.main(argv)
+    assert_stamped(res, argv)
+    rows = res["rows"]
+    assert set(rows) == {"ar", "ddtree3", "auto:chain2,tree3"}
+    assert all(r["ms_per_step"] > 0 and r["steps"] >= 1 for r in rows.values())
+    assert rows["auto:chain2,tree3"]["menu"] == ["chain2", "tree3"]
+    assert set(rows["auto:chain2,tree3"]["choices"]) <= {"chain2", "tree3"}
+    assert sum(rows["ddtree3"]["choices"].values()) > 0
+
+
 def test_fixed_tiles_smoke(tmp_path, tiny):
     """bench/fixed_tiles.py: a tiny dense model's fused QKV, o, gate/up, down and head, the
     default path and two tile sets (interpreted here), each tile set's bits the same at every
