@@ -233,7 +233,7 @@ def test_interrupted_convert_leaves_no_destination(ckpt, tmp_path, monkeypatch):
 
     monkeypatch.setattr(ocp.StandardCheckpointer, "save", dies)
     (tmp_path / "out").mkdir()
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit, match="kdj convert: interrupted"):
         main(["convert", str(ckpt), str(tmp_path / "out" / "c"), "--dtype", "float32"])
     assert list((tmp_path / "out").iterdir()) == []
 
@@ -659,3 +659,23 @@ def test_train_yaml_booleans_are_yaml_booleans():
         TrainConfig.from_dict({"drafter": {"grow": "no"}})
     with pytest.raises(ValueError, match="eval.deterministic must be true or false"):
         TrainConfig.from_dict({"eval": {"deterministic": 1}})
+
+
+# ------------------------------------------- the command line: one line, before any load
+def never_loads(monkeypatch):
+    """Any model load fails the test: the command must have refused its input first."""
+
+    def never(*a, **k):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr(kdj, "load_target", never)
+    monkeypatch.setattr(kdj, "load_drafter", never)
+
+
+def test_ctrl_c_is_one_line(monkeypatch):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kdj, "load_target", interrupted)
+    with pytest.raises(SystemExit, match="^kdj generate: interrupted$"):
+        main(["generate", "--method", "ar"])

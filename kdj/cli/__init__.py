@@ -44,3 +44,5 @@ def main(argv=None) -> int:
         return args.fn(args)
     except USER_ERRORS as e:
         raise SystemExit(f"kdj {args.cmd}: {as_flags(str(e), getattr(args, 'flags', {}))}") from e
+    except KeyboardInterrupt:
+        raise SystemExit(f"kdj {args.cmd}: interrupted") from None  # Ctrl-C: no traceback
