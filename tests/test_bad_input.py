@@ -679,3 +679,15 @@ def test_ctrl_c_is_one_line(monkeypatch):
     monkeypatch.setattr(kdj, "load_target", interrupted)
     with pytest.raises(SystemExit, match="^kdj generate: interrupted$"):
         main(["generate", "--method", "ar"])
+
+
+def test_bench_serve_without_a_server_says_so(tmp_path):
+    import socket
+
+    (tmp_path / "p.json").write_text('["Hi"]')
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(SystemExit, match=f"^kdj bench-serve: no server answers at .*:{port} "):
+        main(["bench-serve", "--url", f"http://127.0.0.1:{port}", "--concurrency", "1",
+              "--requests", "1", "--prompts", str(tmp_path / "p.json")])  # fmt: skip

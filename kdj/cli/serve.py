@@ -79,9 +79,12 @@ def cmd_bench_serve(args) -> int:
     lo, hi = (args.max_tokens * 2)[:2] if len(args.max_tokens) == 1 else args.max_tokens
     if not 1 <= lo <= hi:
         raise ValueError(f"--max-tokens: need 1 <= lo <= hi, got {args.max_tokens}")
-    report = bench.run(args.url, prompts, args.concurrency, (lo, hi), args.requests,
-                       seed=args.seed, model=args.model, warmup=not args.no_warmup,
-                       waves=args.waves, procs=args.procs)  # fmt: skip
+    try:
+        report = bench.run(args.url, prompts, args.concurrency, (lo, hi), args.requests,
+                           seed=args.seed, model=args.model, warmup=not args.no_warmup,
+                           waves=args.waves, procs=args.procs)  # fmt: skip
+    except bench.ServerError as e:
+        raise SystemExit(f"kdj bench-serve: {e}") from None
     print(bench.table(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
