@@ -691,3 +691,17 @@ def test_bench_serve_without_a_server_says_so(tmp_path):
     with pytest.raises(SystemExit, match=f"^kdj bench-serve: no server answers at .*:{port} "):
         main(["bench-serve", "--url", f"http://127.0.0.1:{port}", "--concurrency", "1",
               "--requests", "1", "--prompts", str(tmp_path / "p.json")])  # fmt: skip
+
+
+def test_serve_on_a_port_in_use_says_so_before_loading(monkeypatch):
+    import socket
+
+    never_loads(monkeypatch)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(SystemExit, match=f"cannot listen on 127.0.0.1:{port} .*in use.*--port"):
+            main(["serve", "--port", str(port)])
+    with pytest.raises(SystemExit, match="cannot listen on no-such-host.invalid:8000"):
+        main(["serve", "--host", "no-such-host.invalid"])

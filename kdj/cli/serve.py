@@ -39,6 +39,25 @@ def check_serve(args, run: dict) -> None:
                      tree_budget=dec["tree_budget"])  # fmt: skip
 
 
+def check_address(host: str, port: int) -> None:
+    """`host:port` can be listened on, found before the load and the compiles (minutes on a
+    CPU) rather than after them (OSError naming the address)."""
+    import errno
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]  # fmt: skip
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            s.bind(address)
+    except OSError as e:
+        why = e.strerror or str(e)
+        if e.errno == errno.EADDRINUSE:
+            why += ": another server listens there; stop it or choose another --port"
+        raise OSError(f"cannot listen on {host}:{port} ({why})") from None
+
+
 def cmd_serve(args) -> int:
     import kdj
 
@@ -48,6 +67,7 @@ def cmd_serve(args) -> int:
         import uvicorn
 
         from kdj.serve.app import make_app
+    check_address(args.host, args.port)
     dec = run["decode"]
     target = kdj.load_target(run["target"], dtype=dtype_name(run["dtype"]))
     drafter = kdj.load_drafter(run["drafter"], target=target) if run["drafter"] else None
