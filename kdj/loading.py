@@ -23,6 +23,33 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 BUILTIN_DRAFTERS = ("smollm2-135m-dflash-b16",)
 
 
+def target_path(source) -> Path:
+    """The file or dir of the target `source` (a path or built-in name); FileNotFoundError
+    saying what it may be when there is none (the CLI checks this before loading anything)."""
+    if str(source) in BUILTIN_TARGETS:
+        return smollm2_gguf_path()
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"target {str(source)!r} not found: give an HF checkpoint dir, a .gguf file, a kdj "
+            f"convert dir or a built-in name ({', '.join(BUILTIN_TARGETS)})"
+        )
+    return path
+
+
+def drafter_path(source) -> Path:
+    """Where the drafter `source` (a checkpoint dir or built-in name) is, as `target_path`."""
+    path = Path(source)
+    if str(source) in BUILTIN_DRAFTERS and not path.exists():
+        path = ASSETS / str(source)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"drafter {str(source)!r} not found: give a DFlash checkpoint dir or a built-in "
+            f"name ({', '.join(BUILTIN_DRAFTERS)})"
+        )
+    return path
+
+
 def load_target(
     source, dtype="bfloat16", mesh=None, quantized_experts=False, kernels=None
 ) -> Target:
@@ -38,15 +65,7 @@ def load_target(
     dtype = arguments.dtype(dtype)
     sharding = as_sharding(mesh)
     mesh_kw = {} if sharding is None else {"mesh": sharding.mesh, "rules": sharding.rules}
-    src = str(source)
-    if src in BUILTIN_TARGETS:
-        source = smollm2_gguf_path()
-    path = Path(source)
-    if not path.exists():
-        raise FileNotFoundError(
-            f"target {src!r} not found: give an HF checkpoint dir, a .gguf file, a kdj convert dir"
-            f" or one of the built-in names {BUILTIN_TARGETS}"
-        )
+    path = target_path(source)
     tokenizer = None
     if quantized_experts and (path.is_file() or is_orbax_dir(path)):
         raise ValueError("quantized_experts applies to HF safetensors checkpoint dirs only")
@@ -86,14 +105,7 @@ def load_drafter(source, target: Target | None = None, dtype=None, mesh=None) ->
     if target is not None:
         arguments.loaded(target, Target, "target", "kdj.load_target")
     dtype = arguments.dtype(dtype or (target.dtype if target is not None else "bfloat16"))
-    path = Path(source)
-    if str(source) in BUILTIN_DRAFTERS and not path.exists():
-        path = ASSETS / str(source)
-    if not path.exists():
-        raise FileNotFoundError(
-            f"drafter {str(source)!r} not found (give a DFlash checkpoint dir or one of the "
-            f"built-in names {BUILTIN_DRAFTERS})"
-        )
+    path = drafter_path(source)
     if mesh is None and target is not None:
         mesh = target.sharding  # the drafter lives on its target's mesh
     drafter = Drafter.from_model(load_drafter_checkpoint(path, dtype), path.name, mesh)

@@ -705,3 +705,16 @@ def test_serve_on_a_port_in_use_says_so_before_loading(monkeypatch):
             main(["serve", "--port", str(port)])
     with pytest.raises(SystemExit, match="cannot listen on no-such-host.invalid:8000"):
         main(["serve", "--host", "no-such-host.invalid"])
+
+
+def test_a_missing_target_or_drafter_is_named_before_anything_loads(monkeypatch, tmp_path):
+    never_loads(monkeypatch)
+    with pytest.raises(SystemExit, match=r"drafter 'nope' not found: .*a built-in name "
+                                         r"\(smollm2-135m-dflash-b16\)$"):  # fmt: skip
+        main(["generate", "--method", "dflash", "--drafter", "nope"])
+    with pytest.raises(SystemExit, match=r"target 'nope' not found: .*a built-in name "
+                                         r"\(smollm2-135m-instruct\)$"):  # fmt: skip
+        main(["generate", "--target", "nope", "--method", "ar"])
+    (tmp_path / "run.yaml").write_text("drafter: nope\ndecode:\n  method: dflash\n")
+    with pytest.raises(SystemExit, match="kdj serve: drafter 'nope' not found"):
+        main(["serve", "--config", str(tmp_path / "run.yaml")])
