@@ -453,6 +453,23 @@ def test_every_cli_option_says_what_it_does_and_its_default(capsys):
     assert all(a.help for a in bench._actions)
 
 
+def test_bare_kdj_prints_what_it_does_and_its_commands(capsys):
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert "Start with: kdj generate" in err and "bench-serve" in err
+    with pytest.raises(SystemExit, match="invalid choice: 'generat' .choose from 'generate'"):
+        main(["generat"])
+
+
+def test_kdj_bench_help_names_kdj_bench_and_every_default(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: kdj bench ")
+    assert "steps timed back to back per shape (default: 10)" in out  # --repeats
+
+
 # ---------------------------------------------------------- property test over generate
 # Valid arguments (few distinct shapes, so compiled programs are reused: two prompts of at
 # most 5 tokens, max(max_new_tokens) = 4, the default cache), then at most one replaced by a
