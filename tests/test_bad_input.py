@@ -724,6 +724,13 @@ def test_serve_on_a_port_in_use_says_so_before_loading(monkeypatch):
         main(["serve", "--host", "no-such-host.invalid"])
 
 
+def test_a_config_dir_lists_its_yaml_files(monkeypatch):
+    never_loads(monkeypatch)
+    with pytest.raises(SystemExit, match="configs/runs is a directory: give a YAML file, e.g. "
+                                         "one of .*smollm2-dflash.yaml"):  # fmt: skip
+        main(["generate", "--config", "configs/runs"])
+
+
 def test_a_missing_target_or_drafter_is_named_before_anything_loads(monkeypatch, tmp_path):
     never_loads(monkeypatch)
     with pytest.raises(SystemExit, match=r"drafter 'nope' not found: .*a built-in name "
