@@ -742,6 +742,9 @@ def test_a_missing_target_or_drafter_is_named_before_anything_loads(monkeypatch,
     (tmp_path / "run.yaml").write_text("drafter: nope\ndecode:\n  method: dflash\n")
     with pytest.raises(SystemExit, match="kdj serve: drafter 'nope' not found"):
         main(["serve", "--config", str(tmp_path / "run.yaml")])
+    for command in ("eval-acceptance", "calibrate", "tune"):
+        with pytest.raises(SystemExit, match=f"kdj {command}: drafter 'nope' not found"):
+            main([command, "--drafter", "nope"])
 
 
 def test_train_drafter_without_the_dataset_package_names_the_install(monkeypatch):
