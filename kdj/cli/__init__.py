@@ -8,6 +8,11 @@ import sys
 
 from kdj.cli import convert, generate, serve, train
 
+DESCRIPTION = (
+    "Speculative decoding (DFlash, DDTree, auto) in JAX. Start with: kdj generate --prompt "
+    "'What is the capital of Australia?'. Each command's flags: kdj COMMAND --help."
+)
+
 
 class Parser(argparse.ArgumentParser):
     """argparse's parser whose errors carry their message in the SystemExit (callers of
@@ -19,8 +24,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = Parser(prog="kdj", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = Parser(prog="kdj", description=DESCRIPTION)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     for module in (generate, convert, serve, train):
         module.add_parsers(sub)
     return p
@@ -39,8 +44,14 @@ def as_flags(message: str, flags: dict[str, str]) -> str:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:  # a bare `kdj`: what it does and its commands, not "arguments are required"
+        parser().print_help(sys.stderr)
+        return 2
     args = parser().parse_args(argv)
     try:
         return args.fn(args)
     except USER_ERRORS as e:
         raise SystemExit(f"kdj {args.cmd}: {as_flags(str(e), getattr(args, 'flags', {}))}") from e
+    except KeyboardInterrupt:
+        raise SystemExit(f"kdj {args.cmd}: interrupted") from None  # Ctrl-C: no traceback

@@ -33,7 +33,7 @@ def cmd_bench(args) -> int:
     spec = importlib.util.spec_from_file_location("kdj_bench_roofline", path)
     roofline = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(roofline)
-    roofline.main(args.args)
+    roofline.main(args.args, prog="kdj bench")
     return 0
 
 
@@ -48,7 +48,7 @@ def add_parsers(sub) -> None:
     )
     c.set_defaults(fn=cmd_convert)
     # "+" as its only prefix: every "--option" after `bench` is passed through untouched.
-    b = sub.add_parser("bench", help="roofline of one target step (bench/roofline.py --help)",
+    b = sub.add_parser("bench", help="roofline of one target step (GPU benchmark)",
                        add_help=False, prefix_chars="+")  # fmt: skip
     b.add_argument("args", nargs=argparse.REMAINDER, help="bench/roofline.py arguments")
     b.set_defaults(fn=cmd_bench)

@@ -22,4 +22,5 @@ def needs(extra: str):
         if missing not in EXTRAS[extra]:
             raise
         raise SystemExit(f"this command needs kdj's [{extra}] extras ({missing} is not "
-                         f"installed): pip install 'kdj[{extra}]'") from None  # fmt: skip
+                         f"installed): pip install -e '.[{extra}]' in kdj's source "
+                         "checkout") from None  # fmt: skip

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 
 from kdj.cli import values
-from kdj.cli.runs import DEFAULTS, METHOD_FIELDS, dtype_name, load_run, switch_method
+from kdj.cli.runs import (
+    DEFAULTS,
+    METHOD_FIELDS,
+    check_sources,
+    dtype_name,
+    load_run,
+    switch_method,
+)
 from kdj.cli.status import Status
 
 SAMPLE = "What is the capital of Australia?"
@@ -42,6 +49,7 @@ def settle(args) -> dict:
     if not run["chat"] and "" in prompts:
         raise ValueError(f"--prompt {prompts.index('')} is empty (with --no-chat nothing is "
                          "added to it): give some text")  # fmt: skip
+    check_sources(run)
     return run
 
 

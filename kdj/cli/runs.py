@@ -124,6 +124,16 @@ def check_values(cfg: dict, given: dict, path) -> None:
     check("decode.cost", lambda: arguments.cost(dec["cost"]))
 
 
+def check_sources(run: dict) -> None:
+    """The run's target and drafter exist (FileNotFoundError naming the missing one), so a
+    mistyped drafter is not found only after the target has loaded."""
+    from kdj.loading import drafter_path, target_path
+
+    target_path(run["target"])
+    if run["drafter"]:
+        drafter_path(run["drafter"])
+
+
 # The run's fields that only some methods use (kdj.arguments.APPLIES_TO), and the flags
 # that set them.
 METHOD_FIELDS = {"block_size": "--block-size", "tree_budget": "--tree-budget"}

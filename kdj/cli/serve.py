@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kdj.cli import values
 from kdj.cli.extras import needs
-from kdj.cli.runs import dtype_name, load_run
+from kdj.cli.runs import check_sources, dtype_name, load_run
 
 # the engine's parameters as serve's flags, for messages raised below the command line
 FLAGS = {"kdj.load_drafter": "--drafter", "kdj.load_target": "--target",
@@ -37,6 +37,26 @@ def check_serve(args, run: dict) -> None:
                          "--deterministic does)")  # fmt: skip
     arguments.method(dec["method"], bool(run["drafter"]), block_size=dec["block_size"],
                      tree_budget=dec["tree_budget"])  # fmt: skip
+    check_sources(run)
+
+
+def check_address(host: str, port: int) -> None:
+    """`host:port` can be listened on, found before the load and the compiles (minutes on a
+    CPU) rather than after them (OSError naming the address)."""
+    import errno
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]  # fmt: skip
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            s.bind(address)
+    except OSError as e:
+        why = e.strerror or str(e)
+        if e.errno == errno.EADDRINUSE:
+            why += ": another server listens there; stop it or choose another --port"
+        raise OSError(f"cannot listen on {host}:{port} ({why})") from None
 
 
 def cmd_serve(args) -> int:
@@ -48,6 +68,7 @@ def cmd_serve(args) -> int:
         import uvicorn
 
         from kdj.serve.app import make_app
+    check_address(args.host, args.port)
     dec = run["decode"]
     target = kdj.load_target(run["target"], dtype=dtype_name(run["dtype"]))
     drafter = kdj.load_drafter(run["drafter"], target=target) if run["drafter"] else None
@@ -79,9 +100,12 @@ def cmd_bench_serve(args) -> int:
     lo, hi = (args.max_tokens * 2)[:2] if len(args.max_tokens) == 1 else args.max_tokens
     if not 1 <= lo <= hi:
         raise ValueError(f"--max-tokens: need 1 <= lo <= hi, got {args.max_tokens}")
-    report = bench.run(args.url, prompts, args.concurrency, (lo, hi), args.requests,
-                       seed=args.seed, model=args.model, warmup=not args.no_warmup,
-                       waves=args.waves, procs=args.procs)  # fmt: skip
+    try:
+        report = bench.run(args.url, prompts, args.concurrency, (lo, hi), args.requests,
+                           seed=args.seed, model=args.model, warmup=not args.no_warmup,
+                           waves=args.waves, procs=args.procs)  # fmt: skip
+    except bench.ServerError as e:
+        raise SystemExit(f"kdj bench-serve: {e}") from None
     print(bench.table(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))

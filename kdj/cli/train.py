@@ -36,7 +36,8 @@ def cmd_train_drafter(args) -> int:
             raise SystemExit(f"--resume-state continues an online campaign; {args.config} has "
                              "no online section")  # fmt: skip
         cfg.online.resume_state = args.resume_state
-    (run_online if cfg.online is not None else run_training)(cfg)
+    with needs("train"):  # the dataset packages are looked for only once the target loaded
+        (run_online if cfg.online is not None else run_training)(cfg)
     return 0
 
 
@@ -50,6 +51,7 @@ def cmd_eval_acceptance(args) -> int:
         from kdj.train.loop import chat_prompts
 
     named = drafter_labels(args.drafter)
+    check_sources(args.target, *named.values())
     if args.prompts:  # eval_prompts.json written by train-drafter: no dataset packages needed
         texts = json.loads(open(args.prompts).read())
     else:
@@ -83,6 +85,16 @@ def cmd_eval_acceptance(args) -> int:
     return 0
 
 
+def check_sources(target: str, *drafters: str) -> None:
+    """The target and drafters exist (FileNotFoundError naming the missing one) before the
+    dataset and the target load."""
+    from kdj.loading import drafter_path, target_path
+
+    target_path(target)
+    for source in drafters:
+        drafter_path(source)
+
+
 def drafter_labels(specs: list[str]) -> dict[str, str]:
     """--drafter values ("NAME=SOURCE" or a bare SOURCE, labelled by its last path part) ->
     {label: source}; two drafters may not share a label (their reports share a folder)."""
@@ -105,6 +117,7 @@ def cmd_tune(args) -> int:
     import kdj
     from kdj.decode import auto, tune
 
+    check_sources(args.target, args.drafter)
     target = kdj.load_target(args.target, dtype=dtype_name(args.dtype))
     drafter = kdj.load_drafter(args.drafter, target=target)
     shapes = auto.parse_menu("auto", args.menu, drafter.cfg.block_size, None)
@@ -120,6 +133,7 @@ def cmd_calibrate(args) -> int:
     from kdj.train import calibrate
     from kdj.train.data import sharegpt_split
 
+    check_sources(args.target, args.drafter)
     with needs("train"):
         from kdj.train.loop import chat_prompts
 

