@@ -86,7 +86,7 @@ class GroupedConv(nnx.Module):
         self.taps, self.groups = K, groups
 
     def prepare(self, u):
-        """u [B, b, D] -> (conv_0(u), side-1 deltas [B, b, K, G])."""
+        """u [..., b, D] -> (conv_0(u), side-1 deltas [..., b, K, G])."""
         delta = self.kernel_projection(u).reshape(*u.shape[:-1], 2, self.taps, self.groups)
         return self._convolve(u, delta[..., 0, :, :], 0), delta[..., 1, :, :]
 
@@ -94,16 +94,20 @@ class GroupedConv(nnx.Module):
         return self._convolve(y, delta, 1)
 
     def _convolve(self, y, delta, side: int):
-        B, b, D = y.shape
+        """y [..., b, D] (one block per leading index), delta [..., b, K, G] -> conv_side(y)."""
+        *lead, b, D = y.shape
         G = self.groups
-        blocks = y.astype(jnp.float32).reshape(B, b, G, D // G)
+        blocks = y.astype(jnp.float32).reshape(*lead, b, G, D // G)
         base = self.base_kernel[...][side].astype(jnp.float32).reshape(self.taps, G, D // G)
-        coef = base[None, None] + delta.astype(jnp.float32)[..., None]  # [B, b, K, G, D/G]
-        out = coef[:, :, 0] * blocks
+        coef = base + delta.astype(jnp.float32)[..., None]  # [..., b, K, G, D/G]
+        out = coef[..., 0, :, :] * blocks
+        keep = [(0, 0)] * len(lead)
         for k in range(1, self.taps):  # tap k reads the slot k earlier (zero before slot 0)
-            shifted = jnp.pad(blocks[:, : b - k], ((0, 0), (min(k, b), 0), (0, 0), (0, 0)))
-            out = out + coef[:, :, k] * shifted
-        return out.reshape(B, b, D).astype(y.dtype)
+            shifted = jnp.pad(
+                blocks[..., : max(b - k, 0), :, :], keep + [(min(k, b), 0), (0, 0), (0, 0)]
+            )
+            out = out + coef[..., k, :, :] * shifted
+        return out.reshape(*lead, b, D).astype(y.dtype)
 
 
 class CandidateSelector(nnx.Module):
@@ -124,14 +128,26 @@ class CandidateSelector(nnx.Module):
         [B, L, k, k] float32: row i = the previous slot's candidate i, at slot 0 every row
         the anchor)."""
         unary, cand = jax.lax.top_k(logits, self.top_k)  # descending, lower id first on ties
-        z = self.hidden_projection(h).astype(jnp.float32)  # [B, L, r]
-        B, L, k = cand.shape
-        prev = jnp.concatenate([jnp.broadcast_to(anchor[:, None, None], (B, 1, k)),
-                                cand[:, :-1]], axis=1)  # fmt: skip
-        pred = self.predecessor_codebook[...][prev].astype(jnp.float32)  # [B, L, k, r]
-        succ = self.successor_codebook[...][cand].astype(jnp.float32)
-        edges = jnp.einsum("blir,blr,bljr->blij", pred, z, succ)
-        return cand.astype(jnp.int32), unary[:, :, None, :] + edges
+        return cand.astype(jnp.int32), self.pair_scores(h, unary, cand, anchor)
+
+    def pair_scores(self, h, unary, cand, anchor):
+        """The walk's scores from the candidates: h [..., L, D], unary and cand [..., L, k]
+        (each slot's top-k logits and tokens), anchor [...] -> [..., L, k, k] (row i: the
+        previous slot's candidate i; at slot 0 every row the anchor)."""
+        k = cand.shape[-1]
+        first = jnp.broadcast_to(anchor[..., None, None], (*cand.shape[:-2], 1, k))
+        prev = jnp.concatenate([first.astype(cand.dtype), cand[..., :-1, :]], axis=-2)
+        return self.score(h, unary, cand, prev)
+
+    def score(self, h, unary, cand, prev):
+        """score(p, c) = unary[c] + sum_r predecessor[p, r] z[r] successor[c, r] at each slot:
+        h [..., L, D], unary and cand [..., L, k], prev [..., L, m] previous tokens ->
+        [..., L, m, k] float32. The one scorer of the walk and of training's selector loss."""
+        z = self.hidden_projection(h).astype(jnp.float32)  # [..., L, r]
+        pred = self.predecessor_codebook[...][prev].astype(jnp.float32)  # [..., L, m, r]
+        succ = self.successor_codebook[...][cand].astype(jnp.float32)  # [..., L, k, r]
+        edges = jnp.einsum("...ir,...r,...jr->...ij", pred, z, succ)
+        return unary.astype(jnp.float32)[..., None, :] + edges
 
     def walk(self, h, logits, anchor, keys, temperature):
         """The draft chain [B, L] int32: from the anchor, each slot's best candidate given the
@@ -143,13 +159,21 @@ class CandidateSelector(nnx.Module):
         noise = jax.vmap(lambda key: jax.random.gumbel(key, (k,), jnp.float32))(
             keys.reshape(-1)
         ).reshape(B, L, k)
-        rows = jnp.arange(B)
+        return jnp.take_along_axis(cand, follow(s, t, noise)[:, :, None], axis=2)[..., 0]
 
-        def body(i, p):
-            row = s[rows, p, i]  # [B, k] scores given the previous slot's choice i
-            noisy = row / jnp.where(t > 0, t, 1.0)[:, None] + noise[:, p]
-            j = jnp.where(t > 0, jnp.argmax(noisy, -1), jnp.argmax(row, -1)).astype(jnp.int32)
-            return j, j
 
-        _, picks = jax.lax.scan(body, jnp.zeros((B,), jnp.int32), jnp.arange(L), unroll=True)
-        return jnp.take_along_axis(cand, picks.T[:, :, None], axis=2)[..., 0]
+def follow(s, t, noise):
+    """The candidate index [B, L] int32 the walk picks at each slot, from pair scores
+    s [B, L, k, k]: argmax of the row of the previous pick where t [B] is 0, else argmax of
+    row / t + noise [B, L, k] (a Gumbel sample of softmax(row / t))."""
+    B, L, _, _ = s.shape
+    rows = jnp.arange(B)
+
+    def body(i, p):
+        row = s[rows, p, i]  # [B, k] scores given the previous slot's choice i
+        noisy = row / jnp.where(t > 0, t, 1.0)[:, None] + noise[:, p]
+        j = jnp.where(t > 0, jnp.argmax(noisy, -1), jnp.argmax(row, -1)).astype(jnp.int32)
+        return j, j
+
+    _, picks = jax.lax.scan(body, jnp.zeros((B,), jnp.int32), jnp.arange(L), unroll=True)
+    return picks.T
