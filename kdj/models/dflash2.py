@@ -20,6 +20,7 @@ logits_p the head's logits after output_multiplier and the softcap):
           (T = 0) or sample softmax(score_p(prev, .) / T); prev = the chosen candidate
 
 Verification is unchanged: any path is lossless, the selector only raises acceptance.
+Training (kdj/train/forward.py: selector_loss) teaches the scorer the target's choices.
 Facts from the published implementations: z-lab/dflash dflash/model_mlx.py, vLLM
 vllm/model_executor/models/qwen3_dflash2.py and v1/worker/gpu/spec_decode/dflash2.
 """
@@ -27,6 +28,7 @@ vllm/model_executor/models/qwen3_dflash2.py and v1/worker/gpu/spec_decode/dflash
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -48,30 +50,36 @@ class DFlash2Config:
     final_logit_softcapping: float | None = None  # ... then capped: cap * tanh(x / cap)
     input_embedding_scale: float = 1.0  # the block's embeddings are scaled by this
 
-    def check(self, hidden_size: int, vocab_size: int) -> None:
-        """ValueError naming the field when these numbers cannot build a drafter."""
+    def check(self, hidden_size: int, vocab_size: int, section: str = "dflash_config") -> None:
+        """ValueError naming the field (as `section`.field) when these numbers cannot build a
+        drafter."""
         for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"dflash_config.{name} must be a positive integer (got {v!r})")
+                raise ValueError(f"{section}.{name} must be a positive integer (got {v!r})")
         if hidden_size % self.conv_group_size:
-            raise ValueError(f"dflash_config.conv_group_size {self.conv_group_size} does not "
+            raise ValueError(f"{section}.conv_group_size {self.conv_group_size} does not "
                              f"divide hidden_size {hidden_size}")  # fmt: skip
         if self.selector_top_k > vocab_size:
-            raise ValueError(f"dflash_config.selector_top_k {self.selector_top_k} exceeds the "
+            raise ValueError(f"{section}.selector_top_k {self.selector_top_k} exceeds the "
                              f"vocabulary ({vocab_size})")  # fmt: skip
         cap = self.final_logit_softcapping
-        if cap is not None and not cap > 0:
-            raise ValueError(f"dflash_config.final_logit_softcapping must be positive (got {cap})")
+        if cap is not None and not _positive(cap):
+            raise ValueError(f"{section}.final_logit_softcapping must be positive (got {cap!r})")
         for name in ("output_multiplier", "input_embedding_scale"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"dflash_config.{name} must be positive")
+            if not _positive(getattr(self, name)):
+                raise ValueError(f"{section}.{name} must be positive (got "
+                                 f"{getattr(self, name)!r})")  # fmt: skip
 
     def logits(self, logits):
         """The target head's logits -> the drafter's (float32)."""
         x = jnp.asarray(logits, jnp.float32) * self.output_multiplier
         cap = self.final_logit_softcapping
         return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def _positive(x) -> bool:
+    return not isinstance(x, bool) and isinstance(x, numbers.Real) and 0 < x < float("inf")
 
 
 class GroupedConv(nnx.Module):
