@@ -143,7 +143,8 @@ def test_chunked_cross_entropy_through_the_softcap():
 
 def test_selector_loss_is_the_cross_entropy_of_the_targets_choice(target):
     """selector_loss against a loop over slots: the score of each candidate given the
-    target's previous choice, the cross-entropy where the target's choice is a candidate."""
+    sequence's token before the slot, the cross-entropy where the target's choice is a
+    candidate."""
     cfg = drafter_config_for(target.cfg, shape(dflash2=D2))
     sel = build_drafter(cfg, jnp.float32, seed=4).selector
     rng = np.random.default_rng(2)
@@ -151,13 +152,13 @@ def test_selector_loss_is_the_cross_entropy_of_the_targets_choice(target):
     h = jnp.asarray(rng.standard_normal((B, N, L, D)), jnp.float32)
     unary = jnp.asarray(np.sort(rng.standard_normal((B, N, L, k)))[..., ::-1].copy())
     cand = rng.permuted(np.tile(np.arange(VOCAB - 1), (B, N, L, 1)), axis=-1)[..., :k]
-    first = jnp.asarray(rng.integers(0, VOCAB, (B, N)), jnp.int32)
+    before = jnp.asarray(rng.integers(0, VOCAB, (B, N, L)), jnp.int32)
     # the target's choice: one of the candidates, or in some slots a token outside them
     targets = np.take_along_axis(cand, rng.integers(0, k, (B, N, L, 1)), -1)[..., 0]
     targets = np.where(rng.random((B, N, L)) < 0.2, VOCAB - 1, targets)
     cand = jnp.asarray(cand, jnp.int32)
     weights = jnp.asarray(rng.random((B, N, L)), jnp.float32)
-    loss, metrics = selector_loss(sel, h, unary, cand, first, jnp.asarray(targets, jnp.int32),
+    loss, metrics = selector_loss(sel, h, unary, cand, before, jnp.asarray(targets, jnp.int32),
                                   weights, jnp.ones((B, N), bool))  # fmt: skip
     pred, succ = np.asarray(sel.predecessor_codebook[...]), np.asarray(sel.successor_codebook[...])
     z = np.asarray(sel.hidden_projection(h))
@@ -166,7 +167,7 @@ def test_selector_loss_is_the_cross_entropy_of_the_targets_choice(target):
         c = np.asarray(cand[b, n, p])
         if targets[b, n, p] not in c:
             continue
-        prev = int(first[b, n]) if p == 0 else targets[b, n, p - 1]
+        prev = int(before[b, n, p])
         s = np.asarray(unary[b, n, p]) + (pred[prev] * z[b, n, p]) @ succ[c].T
         ce = np.log(np.sum(np.exp(s))) - s[list(c).index(targets[b, n, p])]
         num, den = num + weights[b, n, p] * ce, den + weights[b, n, p]

@@ -27,8 +27,8 @@ one layer stack (DFlashDrafter.blocks), each with its own attention.
 
 DFlash2 (kdj/models/dflash2.py): the block convolutions are part of that layer stack, the
 logits are the drafter's (scaled and capped), and the candidate selector learns the target's
-greedy choices with a loss of its own (selector_loss), added with weight
-optim.selector_weight; its gradient stops at the drafter's states and logits.
+greedy choices after the sequence's tokens with a loss of its own (selector_loss), added
+with weight optim.selector_weight; its gradient stops at the drafter's states and logits.
 """
 
 from __future__ import annotations
@@ -247,9 +247,9 @@ def block_loss(
     # their own logits' loss alone, so it cannot trade their accuracy for its pair scores.
     h_sel = jax.lax.stop_gradient(h[:, :, 1:]).astype(head.dtype)
     unary, cand = head_top_k(h_sel, head, drafter.selector.top_k, head_chunk, logit_map)
-    first = block_anchors(tokens, anchors)
-    sel_loss, sel_metrics = selector_loss(drafter.selector, h_sel, unary, cand, first, targets,
-                                          w, anchor_ok)  # fmt: skip
+    before = slot_inputs(tokens, anchors, b)
+    sel_loss, sel_metrics = selector_loss(drafter.selector, h_sel, unary, cand, before,
+                                          targets, w, anchor_ok)  # fmt: skip
     metrics = dict(metrics, draft_loss=loss, **sel_metrics)
     return loss + selector_weight * sel_loss, metrics
 
@@ -267,21 +267,29 @@ def mean_tau(hit, anchor_ok):
     return jnp.sum(jnp.sum(jnp.cumprod(hit, axis=-1), axis=-1) + anchor_ok) / blocks
 
 
-def selector_loss(selector, h, unary, cand, first, targets, weights, anchor_ok):
+def slot_inputs(tokens, anchors, block_size: int):
+    """The sequence's token before each draft slot [B, N, b-1]: slot k's at a + k - 1 (the
+    anchor token for slot 1), the token the target's choice for slot k follows."""
+    idx = anchors[:, :, None] + jnp.arange(block_size - 1, dtype=jnp.int32)
+    B, N, _ = idx.shape
+    return jnp.take_along_axis(tokens, idx.reshape(B, -1), axis=1).reshape(idx.shape)
+
+
+def selector_loss(selector, h, unary, cand, before, targets, weights, anchor_ok):
     """The candidate selector's loss on N blocks per sequence: at each draft slot p, given
-    the target's choice before it (y_{-1} = the block's anchor token), rank the target's
-    choice y_p first among the slot's candidates. Teacher-forced, as the walk matters only
-    while its path is still the target's.
+    the sequence's token x_p before it, rank the target's choice y_p after x_p (its argmax
+    there) first among the slot's candidates. Teacher-forced on the sequence: the walk's
+    pick at a slot counts only while every earlier pick was accepted.
 
     h [B, N, L, D] the drafter's final states (gradient stopped), unary and cand [B, N, L, k]
-    each slot's top-k logits and tokens, first [B, N] anchor tokens, targets [B, N, L] the
-    target's choices y, weights [B, N, L] (0: no loss), anchor_ok [B, N]. Returns (loss,
-    metrics: selector_loss; selector_tau and top1_tau, the tau of the selector's greedy
-    walk and of the argmax chain against the target's choices)."""
-    # L_sel = sum_p w_p [logsumexp_j s_p(y_{p-1}, c_pj) - s_p(y_{p-1}, y_p)] / sum_p w_p over
+    each slot's top-k logits and tokens, before [B, N, L] the tokens x (slot_inputs; x_0 the
+    anchor), targets [B, N, L] the target's choices y, weights [B, N, L] (0: no loss),
+    anchor_ok [B, N]. Returns (loss, metrics: selector_loss; selector_tau and top1_tau, the
+    tau of the selector's greedy walk from the anchor and of the argmax chain, against the
+    target's choices)."""
+    # L_sel = sum_p w_p [logsumexp_j s_p(x_p, c_pj) - s_p(x_p, y_p)] / sum_p w_p over the
     # slots whose target choice y_p is a candidate c_pj (s: CandidateSelector.score)
-    prev = jnp.concatenate([first[..., None], targets[..., :-1]], axis=-1)
-    s = selector.score(h, unary, cand, prev[..., None].astype(cand.dtype))[..., 0, :]
+    s = selector.score(h, unary, cand, before[..., None].astype(cand.dtype))[..., 0, :]
     is_target = cand == targets[..., None]  # [B, N, L, k]: at most one candidate each
     w = weights * jnp.any(is_target, axis=-1)
     gold = jnp.sum(jnp.where(is_target, s, 0.0), axis=-1)
@@ -289,7 +297,7 @@ def selector_loss(selector, h, unary, cand, first, targets, weights, anchor_ok):
     loss = jnp.sum(w * ce) / jnp.maximum(jnp.sum(w), 1e-6)
     valid = weights > 0
     B, N, L, k = cand.shape
-    pairs = selector.pair_scores(h, unary, cand, first).reshape(B * N, L, k, k)
+    pairs = selector.pair_scores(h, unary, cand, before[..., 0]).reshape(B * N, L, k, k)
     picks = follow(pairs, jnp.zeros((B * N,)), jnp.zeros((B * N, L, k))).reshape(B, N, L)
     walked = jnp.take_along_axis(cand, picks[..., None], axis=-1)[..., 0]
     metrics = {
