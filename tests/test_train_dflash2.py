@@ -175,6 +175,32 @@ def test_selector_loss_is_the_cross_entropy_of_the_targets_choice(target):
     assert 1.0 <= metrics["selector_tau"] <= BLOCK and 1.0 <= metrics["top1_tau"] <= BLOCK
 
 
+def test_the_selector_loss_does_not_move_the_drafters_weights(target):
+    """The selector's gradient stops at the drafter's states: with any selector weight every
+    weight but the selector's gets the gradient of the drafter loss alone, and the
+    selector's gradient scales with the weight."""
+    from kdj.train.trainer import _loss
+
+    tokens, mask = pattern_data()
+    cfg = drafter_config_for(target.cfg, shape(dflash2=D2))
+    tr = DrafterTrainer(target, cfg, optim(**DFLASH2_OPTIM), tokens, mask)
+    batch = tuple(jnp.asarray(x) for x in tr.batch(0))
+
+    def grads(weight):
+        o = optim(**(DFLASH2_OPTIM | {"selector_weight": weight}))
+        g = jax.grad(lambda p: _loss(p, tr.graphdef, target.graphdef, target.state, batch, o)[0])
+        return nnx.to_pure_dict(jax.jit(g)(tr.params))
+
+    g0, g1, g2 = grads(0.0), grads(1.0), grads(2.0)
+    g0.pop("selector")
+    selector, double = g1.pop("selector"), g2.pop("selector")
+    jax.tree.map(np.testing.assert_array_equal, g1, g0)
+    jax.tree.map(np.testing.assert_array_equal, g2, g0)
+    assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(selector)) > 0
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(b, 2 * a, rtol=1e-5, atol=1e-7),
+                 selector, double)  # fmt: skip
+
+
 # ------------------------------------------------------------------ from a DFlash drafter
 def test_dflash2_started_from_dflash_drafts_identically(target, data, dflash_dir):
     """The identity convolutions and the neutral selector: the new DFlash2 drafter's states
