@@ -21,6 +21,7 @@ or lm_head: it borrows the target's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -176,16 +177,16 @@ class DrafterLayer(nnx.Module):
                                                                        **conv)  # fmt: skip
         self.mlp_conv = None if dflash2 is None else GroupedConv(cfg.hidden_size, dflash2, **conv)
 
-    def __call__(self, x, positions, k_cache, v_cache, ctx_len, window):
-        """One layer over the block x [B, b, D]: attention then MLP, each a residual branch
-        (DFlash2: each inside its convolution pair)."""
+    def __call__(self, x, attend):
+        """One layer over blocks x [..., b, D]: attention then MLP, each a residual branch
+        (DFlash2: each inside its convolution pair). attend(u): the attention sublayer's
+        output for its normed input u (inference reads the cache, training many blocks)."""
         u = self.attn_norm(x)
         if self.attention_conv is None:
-            x = x + self.attn(u, positions, k_cache, v_cache, ctx_len, window)
+            x = x + attend(u)
             return x + self.mlp(self.mlp_norm(x))
         u, delta = self.attention_conv.prepare(u)
-        y = self.attn(u, positions, k_cache, v_cache, ctx_len, window)
-        x = x + self.attention_conv.finish(y, delta)
+        x = x + self.attention_conv.finish(attend(u), delta)
         u, delta = self.mlp_conv.prepare(self.mlp_norm(x))
         return x + self.mlp_conv.finish(self.mlp(u), delta)
 
@@ -221,11 +222,21 @@ class DFlashDrafter(nnx.Module):
     def __call__(self, x, positions, cache: kvc.KVCache):
         """Block embeddings x [B, b, D] at positions [B, b] -> final hidden [B, b, D] (the
         caller applies the target's lm_head). Context visible: slots < cache.lengths."""
+
+        def attend(i, attn, u):
+            return attn(u, positions, cache.k[i], cache.v[i], cache.lengths, self.cfg.window(i))
+
+        return self.blocks(x, attend)
+
+    def blocks(self, x, attend):
+        """Block embeddings x [..., b, D] -> final hidden states [..., b, D], with
+        attend(i, attn, u) layer i's attention (module attn) over its normed input u: the one
+        layer stack inference (__call__) and training (kdj/train/forward.py) both run."""
         if self.cfg.dflash2 is not None:
             x = x * self.cfg.dflash2.input_embedding_scale
         x = x.astype(self.fc.kernel.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, cache.k[i], cache.v[i], cache.lengths, self.cfg.window(i))
+            x = layer(x, functools.partial(attend, i, layer.attn))
         return self.norm(x)
 
     def logits(self, head_logits):

@@ -14,6 +14,14 @@ precedence over init_from (exact resume of the continued run). An online campaig
 `online.resume_state` (a resume bundle, kdj/train/resume.py) supersedes init_from too: its
 weights, optimiser state and schedule position continue, in another out_dir or window.
 
+A DFlash2 drafter: `drafter.dflash2` holds the dflash_config fields DFlash2 adds
+(conv_kernel_size, conv_group_size, selector_rank, selector_top_k; optionally
+output_multiplier, final_logit_softcapping, input_embedding_scale), and
+`optim.selector_weight` (default 1.0) weighs its selector's loss. With init_from a DFlash
+drafter, the DFlash2 drafter starts with identity convolutions and a neutral selector: it
+drafts exactly what the DFlash drafter drafts until training moves them. A bad field, or
+a selector weight for a DFlash drafter, is a ValueError naming it.
+
 More data from the same conversations (both off by default: turns first, one sample):
 `data.turns` picks the prompts. "first" (default): the first user message of each of the
 first num_conversations ShareGPT conversations, alone. "all": every non-empty user message of
@@ -58,6 +66,12 @@ class DrafterShape:
     # init_from may tap other target layers (as many): its weights read the new layers'
     # states where they read the old ones', a warm start for a tap ablation, not an exact one
     retap: bool = False
+    # a DFlash2 drafter: the dflash_config fields DFlash2 adds (kdj/models/dflash2.py:
+    # conv_kernel_size, conv_group_size, selector_rank, selector_top_k, and optionally
+    # output_multiplier, final_logit_softcapping, input_embedding_scale); None: DFlash.
+    # With init_from a DFlash drafter, it starts drafting exactly as that one does
+    # (kdj.train.trainer.dflash2_params)
+    dflash2: dict | None = None
 
 
 TURNS = ("first", "all")
@@ -123,8 +137,22 @@ class OptimConfig:
     # online distillation: training passes over each round's fresh sequences (each pass a
     # new order and new anchors), so a generated token trains more than one step
     passes: int = 1
+    # weight of a DFlash2 drafter's selector loss (kdj/train/forward.py: selector_loss) next
+    # to its drafter loss; None: 1.0. Set only for a DFlash2 drafter (drafter.dflash2). The
+    # two losses train disjoint weights and Adam scales each weight's step: the weight acts
+    # mostly through the shared gradient clipping (0: the selector learns nothing)
+    selector_weight: float | None = None
+
+    @property
+    def effective_selector_weight(self) -> float:
+        """The selector loss's weight in effect."""
+        return 1.0 if self.selector_weight is None else float(self.selector_weight)
 
     def __post_init__(self):
+        w = self.selector_weight
+        if w is not None and (isinstance(w, bool) or not isinstance(w, (int, float))
+                              or not 0 <= w < float("inf")):  # fmt: skip
+            raise ValueError(f"optim.selector_weight must be a finite number >= 0, not {w!r}")
         p = self.passes
         if isinstance(p, bool) or not isinstance(p, int) or p < 1:
             raise ValueError(f"optim.passes must be a positive number of passes, not {p!r}")

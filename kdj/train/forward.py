@@ -22,7 +22,13 @@ against it: its KL plus the target's entropy), which also ranks the near-misses 
 
 This is exactly what inference computes for a block starting at a_n with the context cache
 filled up to a_n (tests/test_train.py checks it against Drafter.add_context + Drafter.__call__),
-with the N blocks of a sequence sharing one context K/V computation.
+with the N blocks of a sequence sharing one context K/V computation: both run the drafter's
+one layer stack (DFlashDrafter.blocks), each with its own attention.
+
+DFlash2 (kdj/models/dflash2.py): the block convolutions are part of that layer stack, the
+logits are the drafter's (scaled and capped), and the candidate selector learns the target's
+greedy choices after the sequence's tokens with a loss of its own (selector_loss), added
+with weight optim.selector_weight; its gradient stops at the drafter's states and logits.
 """
 
 from __future__ import annotations
@@ -34,10 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kdj.models.dflash2 import follow
 from kdj.models.drafter import DFlashDrafter, DrafterAttention
 from kdj.models.layers import NEG_INF, apply_rope, rope_frequencies, softmax_scale
 from kdj.models.transformer import full_hidden
-from kdj.train.head import head_argmax, head_cross_entropy
+from kdj.train.head import head_argmax, head_cross_entropy, head_top_k
 
 
 class TargetPass(NamedTuple):
@@ -69,14 +76,16 @@ def _frozen_target(target_graphdef, target_state, tokens, layer_ids):
 
 
 def target_pass(
-    target_graphdef, target_state, tokens, layer_ids, labels: str, head_chunk: int
-) -> TargetPass:
+    target_graphdef, target_state, tokens, layer_ids, labels: str, head_chunk: int,
+    greedy: bool = False,
+) -> TargetPass:  # fmt: skip
     """Frozen target pass over tokens [B, S] for a loss on `labels` (OptimConfig.labels):
-    with "tokens" the layers after the last tap are dead code under jit; with "target" the
-    argmax runs head_chunk rows at a time; "distribution" keeps the final states."""
+    with "tokens" the layers after the last tap are dead code under jit; with "target" (or
+    greedy: a DFlash2 selector's labels) the argmax runs head_chunk rows at a time;
+    "distribution" keeps the final states."""
     h, feats = _frozen_target(target_graphdef, target_state, tokens, layer_ids)
     nxt = None
-    if labels == "target":
+    if labels == "target" or greedy:
         w = head_weight(nnx.merge(target_graphdef, target_state))
         nxt = head_argmax(h, w, head_chunk)
     return TargetPass(feats, nxt, h if labels == "distribution" else None)
@@ -126,31 +135,32 @@ def block_attention(attn: DrafterAttention, h, positions, anchors, ctx_k, ctx_v,
 
 def drafter_blocks(drafter: DFlashDrafter, embed, feats, tokens, anchors) -> jax.Array:
     """The training pass of the drafter: final hidden states [B, N, b, D] (after the final
-    norm) of N blocks per sequence.
+    norm) of N blocks per sequence, through the inference layer stack (DFlashDrafter.blocks:
+    DFlash2's convolutions included) with block_attention as each layer's attention.
 
     embed [V, D]: the target's embedding table (frozen); feats [B, S, K*D]: target features of
     every position; tokens [B, S]; anchors [B, N] int32 with anchors <= S - b.
     """
     cfg = drafter.cfg
-    if cfg.dflash2 is not None:  # this pass has no convolutions: it would train another model
-        raise NotImplementedError("training a DFlash2 drafter is not supported")
     b = cfg.block_size
     B, S = tokens.shape
-    dtype = drafter.fc.kernel.dtype
-    c = drafter.hidden_norm(drafter.fc(feats.astype(dtype)))  # [B, S, D]
+    c = drafter.hidden_norm(drafter.fc(feats.astype(drafter.fc.kernel.dtype)))  # [B, S, D]
     ctx_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     j = jnp.arange(b, dtype=jnp.int32)
     positions = anchors[:, :, None] + j  # [B, N, b]
-    first = jnp.take_along_axis(tokens, anchors, axis=1)  # the anchor (real) token
-    block = jnp.where(j == 0, first[:, :, None], cfg.mask_token_id)  # [B, N, b]
-    x = embed[block].astype(dtype)
-    for i, layer in enumerate(drafter.layers):
+    block = jnp.where(j == 0, block_anchors(tokens, anchors)[:, :, None], cfg.mask_token_id)
+
+    def attend(i, attn, u):
         # Context K/V as add_context computes them (no input norm, o_proj or MLP on them).
-        ctx_k, ctx_v = layer.attn.keys_values(c, ctx_pos)
-        h = layer.attn_norm(x)
-        x = x + block_attention(layer.attn, h, positions, anchors, ctx_k, ctx_v, cfg.window(i))
-        x = x + layer.mlp(layer.mlp_norm(x))
-    return drafter.norm(x)
+        ctx_k, ctx_v = attn.keys_values(c, ctx_pos)
+        return block_attention(attn, u, positions, anchors, ctx_k, ctx_v, cfg.window(i))
+
+    return drafter.blocks(embed[block], attend)
+
+
+def block_anchors(tokens, anchors):
+    """The anchor (real, committed) token of each block [B, N]: its slot 0."""
+    return jnp.take_along_axis(tokens, anchors, axis=1)
 
 
 def slot_weights(block_size: int, gamma: float) -> np.ndarray:
@@ -197,6 +207,8 @@ def block_loss(
     *,
     head_chunk: int,
     hidden=None,
+    choices=None,
+    selector_weight: float = 1.0,
 ):
     """Weighted cross-entropy of the drafter's blocks against the data's tokens, with
     greedy [B, S] against the target's argmax (block_labels), or with hidden [B, S, D] (the
@@ -204,7 +216,11 @@ def block_loss(
     cross-entropy run head_chunk slots at a time (kdj/train/head.py). Returns (loss, metrics)
     where metrics hold `acc` (slot-1 accuracy) and `tau` (mean accepted drafts + 1 per block
     under greedy verification against those labels, or the target's argmax: the acceptance
-    length the block would get)."""
+    length the block would get).
+
+    A DFlash2 drafter's selector learns the target's choices [B, S] (its argmax after each
+    position, required then): loss = the drafter's + selector_weight * selector_loss's, and
+    the metrics add draft_loss and selector_loss's."""
     b = drafter.cfg.block_size
     head = head_weight(target_model)
     h = drafter_blocks(drafter, target_model.embed[...], feats, tokens, anchors)
@@ -212,13 +228,82 @@ def block_loss(
     if hidden is not None:
         labels = slot_states(hidden, anchors, b).astype(head.dtype)
     w = jnp.asarray(slot_weights(b, gamma)) * valid
-    out = head_cross_entropy(h[:, :, 1:].astype(head.dtype), head, labels, w, head_chunk)
+    logit_map = drafter_logit_map(drafter)
+    out = head_cross_entropy(h[:, :, 1:].astype(head.dtype), head, labels, w, head_chunk,
+                             logit_map)  # fmt: skip
     loss = out.loss_sum / jnp.maximum(jnp.sum(w), 1e-6)
     hit = out.hit & valid
-    blocks = jnp.maximum(jnp.sum(anchor_ok), 1)
     metrics = {
         "acc": jnp.sum(hit[..., 0]) / jnp.maximum(jnp.sum(valid[..., 0]), 1),
-        "tau": jnp.sum(jnp.sum(jnp.cumprod(hit, axis=-1), axis=-1) + anchor_ok) / blocks,
+        "tau": mean_tau(hit, anchor_ok),
+    }
+    if drafter.selector is None:
+        return loss, metrics
+    if choices is None:
+        raise ValueError("a DFlash2 drafter's selector learns the target's choices: block_loss "
+                         "needs choices [B, S] (target_pass with greedy=True)")  # fmt: skip
+    targets, _ = block_labels(tokens, loss_mask, anchors, anchor_ok, b, choices)
+    # The selector's gradient stops at the drafter's states: the drafter's layers learn from
+    # their own logits' loss alone, so it cannot trade their accuracy for its pair scores.
+    h_sel = jax.lax.stop_gradient(h[:, :, 1:]).astype(head.dtype)
+    unary, cand = head_top_k(h_sel, head, drafter.selector.top_k, head_chunk, logit_map)
+    before = slot_inputs(tokens, anchors, b)
+    sel_loss, sel_metrics = selector_loss(drafter.selector, h_sel, unary, cand, before,
+                                          targets, w, anchor_ok)  # fmt: skip
+    metrics = dict(metrics, draft_loss=loss, **sel_metrics)
+    return loss + selector_weight * sel_loss, metrics
+
+
+def drafter_logit_map(drafter: DFlashDrafter):
+    """The map from the head's logits to the drafter's (DFlash2's scale and cap); None for
+    DFlash, whose logits are the head's."""
+    return None if drafter.cfg.dflash2 is None else drafter.cfg.dflash2.logits
+
+
+def mean_tau(hit, anchor_ok):
+    """Mean tokens per verify step of the blocks (accepted drafts + the bonus token) where
+    hit [B, N, b-1] says which draft slots the target accepts; padding blocks not counted."""
+    blocks = jnp.maximum(jnp.sum(anchor_ok), 1)
+    return jnp.sum(jnp.sum(jnp.cumprod(hit, axis=-1), axis=-1) + anchor_ok) / blocks
+
+
+def slot_inputs(tokens, anchors, block_size: int):
+    """The sequence's token before each draft slot [B, N, b-1]: slot k's at a + k - 1 (the
+    anchor token for slot 1), the token the target's choice for slot k follows."""
+    idx = anchors[:, :, None] + jnp.arange(block_size - 1, dtype=jnp.int32)
+    B, N, _ = idx.shape
+    return jnp.take_along_axis(tokens, idx.reshape(B, -1), axis=1).reshape(idx.shape)
+
+
+def selector_loss(selector, h, unary, cand, before, targets, weights, anchor_ok):
+    """The candidate selector's loss on N blocks per sequence: at each draft slot p, given
+    the sequence's token x_p before it, rank the target's choice y_p after x_p (its argmax
+    there) first among the slot's candidates. Teacher-forced on the sequence: the walk's
+    pick at a slot counts only while every earlier pick was accepted.
+
+    h [B, N, L, D] the drafter's final states (gradient stopped), unary and cand [B, N, L, k]
+    each slot's top-k logits and tokens, before [B, N, L] the tokens x (slot_inputs; x_0 the
+    anchor), targets [B, N, L] the target's choices y, weights [B, N, L] (0: no loss),
+    anchor_ok [B, N]. Returns (loss, metrics: selector_loss; selector_tau and top1_tau, the
+    tau of the selector's greedy walk from the anchor and of the argmax chain, against the
+    target's choices)."""
+    # L_sel = sum_p w_p [logsumexp_j s_p(x_p, c_pj) - s_p(x_p, y_p)] / sum_p w_p over the
+    # slots whose target choice y_p is a candidate c_pj (s: CandidateSelector.score)
+    s = selector.score(h, unary, cand, before[..., None].astype(cand.dtype))[..., 0, :]
+    is_target = cand == targets[..., None]  # [B, N, L, k]: at most one candidate each
+    w = weights * jnp.any(is_target, axis=-1)
+    gold = jnp.sum(jnp.where(is_target, s, 0.0), axis=-1)
+    ce = jax.nn.logsumexp(s, axis=-1) - gold
+    loss = jnp.sum(w * ce) / jnp.maximum(jnp.sum(w), 1e-6)
+    valid = weights > 0
+    B, N, L, k = cand.shape
+    pairs = selector.pair_scores(h, unary, cand, before[..., 0]).reshape(B * N, L, k, k)
+    picks = follow(pairs, jnp.zeros((B * N,)), jnp.zeros((B * N, L, k))).reshape(B, N, L)
+    walked = jnp.take_along_axis(cand, picks[..., None], axis=-1)[..., 0]
+    metrics = {
+        "selector_loss": loss,
+        "selector_tau": mean_tau((walked == targets) & valid, anchor_ok),
+        "top1_tau": mean_tau((cand[..., 0] == targets) & valid, anchor_ok),
     }
     return loss, metrics
 

@@ -7,6 +7,10 @@ deeper or wider drafter from a smaller one; drafter.retap: one that taps other t
 The target is frozen and only read: its embedding table and lm_head are the drafter's too
 (the drafter owns neither), so nothing of the target enters the optimiser.
 
+A DFlash2 drafter (drafter.dflash2) trains its convolutions with its layers and its
+candidate selector on the target's own choices (kdj/train/forward.py); init_from a DFlash
+drafter starts it drafting exactly as that one does (dflash2_params).
+
 Determinism: the batch of step t (sequences and anchors) is a function of (seed, t) alone,
 so a run restored from the checkpoint of step t takes exactly the step t + 1 the
 uninterrupted run would have taken.
@@ -26,6 +30,7 @@ from flax import nnx
 
 from kdj.handles import Drafter
 from kdj.loading import load_drafter
+from kdj.models.dflash2 import DFlash2Config
 from kdj.models.drafter import DrafterConfig, build_drafter, default_target_layer_ids
 from kdj.train.config import DrafterShape, OptimConfig
 from kdj.train.forward import block_loss, sample_anchors, target_pass
@@ -58,7 +63,30 @@ def drafter_config_for(target_cfg, shape: DrafterShape) -> DrafterConfig:
         mask_token_id=shape.mask_token_id,
         target_layer_ids=tuple(int(i) for i in ids),
         num_target_layers=t.num_layers,
+        dflash2=dflash2_config(shape.dflash2, t.hidden_size, t.vocab_size),
     )
+
+
+_DFLASH2_REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def dflash2_config(fields, hidden_size: int, vocab_size: int) -> DFlash2Config | None:
+    """The drafter section's `dflash2` mapping -> DFlash2Config (None: a DFlash drafter).
+    A missing, unknown or bad field is a ValueError naming it as drafter.dflash2.<field>."""
+    if fields is None:
+        return None
+    names = [f.name for f in dataclasses.fields(DFlash2Config)]
+    if not isinstance(fields, dict):
+        raise ValueError(f"drafter.dflash2 must be a mapping of {names}, not {fields!r}")
+    unknown = sorted(set(fields) - set(names))
+    if unknown:
+        raise ValueError(f"drafter.dflash2: unknown keys {unknown}; expected some of {names}")
+    missing = [n for n in _DFLASH2_REQUIRED if n not in fields]
+    if missing:
+        raise ValueError(f"drafter.dflash2 needs {missing} (DFlash2's dflash_config fields)")
+    cfg = DFlash2Config(**fields)
+    cfg.check(hidden_size, vocab_size, section="drafter.dflash2")
+    return cfg
 
 
 def shape_fields(cfg: DrafterConfig) -> dict:
@@ -79,7 +107,23 @@ def shape_fields(cfg: DrafterConfig) -> dict:
         "rope_theta": lc.rope_theta,
         "layer_types": tuple(cfg.layer_types),
         "sliding_window": cfg.sliding_window,
+        "dflash2": None if cfg.dflash2 is None else dataclasses.asdict(cfg.dflash2),
     }
+
+
+def _differences(have: dict, want: dict, unset: dict) -> list[str]:
+    """One line per field of shape_fields that differs between a checkpoint's (`have`) and
+    the configured drafter's (`want`), a dflash2 mapping field by field; fields `unset` in
+    the checkpoint (their value there is the one `unset` gives) are not held to anything."""
+    bad = []
+    for k in want:
+        a, b = have[k], want[k]
+        if isinstance(a, dict) and isinstance(b, dict):
+            bad += _differences({f"{k}.{n}": v for n, v in a.items()},
+                                {f"{k}.{n}": v for n, v in b.items()}, {})  # fmt: skip
+        elif a != b and a != unset.get(k, object()):
+            bad.append(f"{k}: {a} in the checkpoint, {b} configured")
+    return bad
 
 
 def load_init_params(source, drafter_cfg: DrafterConfig, grow: bool = False,
@@ -91,9 +135,13 @@ def load_init_params(source, drafter_cfg: DrafterConfig, grow: bool = False,
     (layers, block size, mask token, feature layers, widths, ...); a checkpoint that leaves a
     field unset (num_target_layers -1, vocab_size 0) is not held to it. grow: the checkpoint
     may have fewer layers than `drafter_cfg` (see grown_params). retap: it may tap other
-    target layers, as many as `drafter_cfg` taps."""
+    target layers, as many as `drafter_cfg` taps. A DFlash checkpoint may start a DFlash2
+    `drafter_cfg` (dflash2_params then adds what DFlash2 adds); a DFlash2 one must have the
+    configured dflash2 fields."""
     loaded = load_drafter(source, dtype=jnp.float32)
     have, want = shape_fields(loaded.cfg), shape_fields(drafter_cfg)
+    if have["dflash2"] is None:  # a DFlash drafter: any DFlash2 fields can be added to it
+        have["dflash2"] = want["dflash2"]
     unset = {"num_target_layers": -1, "vocab_size": 0}
     if grow:  # the layer count and the FFN width (and the per-layer types) may only increase
         for k in ("num_layers", "intermediate_size"):
@@ -112,11 +160,7 @@ def load_init_params(source, drafter_cfg: DrafterConfig, grow: bool = False,
                 f"{len(want['target_layer_ids'])} {list(want['target_layer_ids'])}"
             )
         have["target_layer_ids"] = want["target_layer_ids"]
-    bad = [
-        f"{k}: {have[k]} in the checkpoint, {want[k]} configured"
-        for k in want
-        if have[k] != want[k] and have[k] != unset.get(k, object())
-    ]
+    bad = _differences(have, want, unset)
     if bad:
         raise ValueError(
             f"drafter.init_from {str(source)!r} does not match the drafter to train "
@@ -142,7 +186,8 @@ def grown_params(fresh: dict, init: dict) -> dict:
     the fresh layers as identity blocks (attention output and MLP down projections zero, so
     each adds nothing to the residual stream until training moves them); a wider FFN keeps
     init's hidden units and starts the new ones silent (_widened_mlp)."""
-    out = dict(fresh, fc=init["fc"], hidden_norm=init["hidden_norm"], norm=init["norm"])
+    kept = ("fc", "hidden_norm", "norm", "selector")  # the selector: a DFlash2 drafter's
+    out = dict(fresh, **{k: init[k] for k in kept if k in init})
     layers = dict(fresh["layers"])
     for i in layers:
         if i in init["layers"]:
@@ -156,6 +201,29 @@ def grown_params(fresh: dict, init: dict) -> dict:
             layers[i] = layer
     out["layers"] = layers
     return out
+
+
+def dflash2_params(fresh: dict, init: dict) -> dict:
+    """A DFlash drafter's weights `init` in a DFlash2 drafter (`fresh`: its random start)
+    that drafts exactly as the DFlash one: every convolution the identity (tap 0 of
+    base_kernel 1, later taps 0, kernel_projection 0: no input-dependent part) and the
+    selector neutral (hidden_projection 0: every pair score is the slot's logit, so the walk
+    is the argmax chain). The codebooks keep their random start: through them the zero
+    projection gets a gradient from the first step."""
+    layers = {}
+    for i, layer in init["layers"].items():
+        layers[i] = dict(layer)
+        for name in ("attention_conv", "mlp_conv"):
+            conv = fresh["layers"][i][name]
+            base = jnp.zeros_like(conv["base_kernel"]).at[:, 0].set(1.0)
+            proj = dict(conv["kernel_projection"])
+            proj["kernel"] = jnp.zeros_like(proj["kernel"])
+            layers[i][name] = dict(conv, base_kernel=base, kernel_projection=proj)
+    selector = dict(fresh["selector"])
+    hidden = dict(selector["hidden_projection"])
+    hidden["kernel"] = jnp.zeros_like(hidden["kernel"])
+    selector["hidden_projection"] = hidden
+    return dict(init, layers=layers, selector=selector)
 
 
 def lr_schedule(cfg: OptimConfig) -> optax.Schedule:
@@ -178,10 +246,13 @@ def _loss(params, dgraph, tgraph, tstate, batch, cfg: OptimConfig):
     target = nnx.merge(tgraph, tstate)
     low = jax.tree.map(lambda p: p.astype(jnp.dtype(cfg.compute_dtype)), params)  # f32 masters
     drafter = nnx.merge(dgraph, low)
+    selector = drafter.selector is not None  # DFlash2: it learns the target's choices
     tp = target_pass(tgraph, tstate, tokens, drafter.cfg.target_layer_ids, cfg.labels,
-                     cfg.head_chunk)  # fmt: skip
+                     cfg.head_chunk, greedy=selector)  # fmt: skip
+    greedy = tp.greedy if cfg.labels == "target" else None
     return block_loss(drafter, target, tp.features, tokens, loss_mask, anchors, ok, cfg.gamma,
-                      tp.greedy, head_chunk=cfg.head_chunk, hidden=tp.hidden)  # fmt: skip
+                      greedy, head_chunk=cfg.head_chunk, hidden=tp.hidden, choices=tp.greedy,
+                      selector_weight=cfg.effective_selector_weight)  # fmt: skip
 
 
 @functools.partial(
@@ -201,7 +272,8 @@ def _train_step(params, opt_state, tstate, batch, *, optim: tuple, dgraph, tgrap
 
 
 class DrafterTrainer:
-    """Trains a DFlash drafter against a frozen kdj target on cached (tokens, loss_mask).
+    """Trains a DFlash (or DFlash2) drafter against a frozen kdj target on cached
+    (tokens, loss_mask).
 
     tokens [N, S] int32 and loss_mask [N, S] bool (True on the response tokens the drafter
     learns to draft) are host arrays; each step takes optim.batch_size rows.
@@ -224,6 +296,10 @@ class DrafterTrainer:
         grow: bool = False,
         retap: bool = False,
     ):
+        if optim.selector_weight is not None and drafter_cfg.dflash2 is None:
+            raise ValueError(f"optim.selector_weight {optim.selector_weight} is set, but this "
+                             "drafter is a DFlash drafter (no drafter.dflash2 section): it has "
+                             "no selector to train")  # fmt: skip
         self.target, self.optim, self.cfg = target, optim, drafter_cfg
         self.tokens, self.loss_mask = np.asarray(tokens, np.int32), np.asarray(loss_mask, bool)
         self.out_dir = Path(out_dir) if out_dir is not None else None
@@ -232,6 +308,8 @@ class DrafterTrainer:
             state = nnx.state(model)
             fresh = nnx.to_pure_dict(state)
             init = load_init_params(init_from, drafter_cfg, grow=grow, retap=retap)
+            if drafter_cfg.dflash2 is not None and "selector" not in init:  # a DFlash drafter
+                init = dflash2_params(fresh, init)
             if grow:
                 init = grown_params(fresh, init)
             if jax.tree.map(jnp.shape, init) != jax.tree.map(jnp.shape, fresh):
