@@ -194,6 +194,34 @@ def test_pool_auto_token_identical(vocab12_pair):
         Engine(target, 2, 64, 8, drafter=drafter, menu=(DraftShape("none"),))
 
 
+def test_auto_says_why_it_drafts_where_it_does(vocab12_pair):
+    """The engine's pricing: per width of auto's ladder, each priced entry's predicted tok/s
+    (what /stats serves); bench-serve keeps the widths a level ran."""
+    from kdj.serve.bench import stats_delta
+
+    target, drafter = vocab12_pair
+    menu = auto.parse_menu("auto", ["none", "chain", "tree12"], 6, None)
+    engine = Engine(target, 4, 64, 8, drafter=drafter, menu=menu, widths=(1, 4))
+    assert engine.pricing()[4]["tree12"] == 0.0  # no prior tau: nothing predicted
+    known = dataclasses.replace(drafter, prior_acceptance=2.5)
+    engine = Engine(target, 4, 64, 8, drafter=known, menu=menu, widths=(1, 4))
+    pricing = engine.pricing()
+    assert list(pricing) == [1, 4]
+    for w, rates in pricing.items():
+        assert list(rates) == [str(s) for s in engine.plans[w].menu] and "none" in rates
+        assert all(r > 0 for r in rates.values())
+    assert pricing[4]["none"] > pricing[1]["none"]  # four rows a step
+    assert Engine(target, 4, 64, 8, drafter=drafter, menu=menu[1:2]).pricing() == {}
+    zero = {"turns": 0, "chunks": 0, "wait_s": 0.0, "turn_s": 0.0, "tokens": 0, "prefills": 0,
+            "admitted": 0, "widths": {}}  # fmt: skip
+    worker = {"idle_s": 0.0, "deliver_s": 0.0}
+    lag = {"samples": 0, "total_s": 0.0, "max_s": 0.0}
+    before = {"engine": zero, "worker": worker, "loop_lag": lag}
+    after = {"engine": {**zero, "turns": 2, "widths": {"1": 0, "4": 3}}, "worker": worker,
+             "loop_lag": lag, "pricing": {"1": {"none": 1.0}, "4": {"none": 4.0}}}  # fmt: skip
+    assert stats_delta(before, after, 1.0)["pricing"] == {"4": {"none": 4.0}}
+
+
 def test_pool_admission_resets_the_slots_forecast(vocab12_pair):
     """A request admitted into the slot another auto request drafted in starts from the
     priors, not from that request's forecasts (one slot; the newcomer ends at admission, so

@@ -242,6 +242,22 @@ class Engine:
             self._programs[key] = self.target.executables.get(fn, *args, **static)
         return self._programs[key]
 
+    def pricing(self) -> dict[int, dict[str, float]]:
+        """Why auto drafts where it does: per width, each entry of the menu priced for it
+        and the tokens per second the cost model predicts for a full pool running it ("none":
+        plain steps), at the entry's prior tau (0 without one: auto drafts to find out) and
+        half a slot's context (where kdj serve prices its menus). Empty for AR and the fixed
+        methods."""
+        d = self.drafter
+        out = {}
+        for w, plan in self.plans.items():
+            if plan.adaptive:
+                built = auto.largest_tree(plan.menu)
+                out[w] = {str(s): w * auto.entry_rate(s, plan.cost, w, self.S / 2, built,
+                                                      d.prior_acceptance, d.entry_acceptance)
+                          for s in plan.menu}  # fmt: skip
+        return out
+
     @property
     def plan(self) -> Plan:
         """The plan of the width the pool runs at now."""
