@@ -408,7 +408,7 @@ class Engine:
         if width == self.width or not (live or self.waiting):
             return
         if live:
-            rows = np.asarray(live + [-1] * (width - len(live)), np.int32)
+            rows = jax.device_put(np.asarray(live + [-1] * (width - len(live)), np.int32))
             args = (self._shape(self.width), self._shape(width), rows, self.priors[width])
             fn = self._program(("resize", self.width, width), resize, *args,
                                axes=self._slot_axes(width), src=self.plan,
