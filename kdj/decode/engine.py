@@ -530,10 +530,16 @@ class Engine:
             t0 = time.perf_counter()
             first = np.asarray(came.joined.result().first)
             self.stats.wait_s += time.perf_counter() - t0
+            ended = set()
             for r, token in zip(came.requests, first.tolist()):
                 if self.sent.get(r.id) == 0:  # still running, nothing of it handed out
                     self.sent[r.id] = 1
-                    updates.append(Update(r.id, [token], False, 0))
+                    done = r.max_new <= 1 or token in r.stop  # as the prefill decided
+                    updates.append(Update(r.id, [token], done, 0))
+                    if done:  # its row rides along done in the chunks already queued
+                        ended.add(r.id)
+                        del self.sent[r.id], self.steps[r.id]
+            self.slots = [None if r is not None and r.id in ended else r for r in self.slots]
         return updates
 
     def _collect(self, flight: InFlight) -> list[Update]:
