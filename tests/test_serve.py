@@ -314,13 +314,17 @@ def run_server(app):
 
 
 @pytest.fixture(scope="module")
-def server(chat_target):
+def served_app(chat_target):
     """4 slots of 64 tokens, their greedy programs compiled before it listens."""
     from kdj.serve.app import make_app
 
-    app = make_app(chat_target, "tiny", max_batch=4, context=64, max_tokens=8, max_queue=32,
-                   chunk_steps=4, warm=(True,))  # fmt: skip
-    with run_server(app) as url:
+    return make_app(chat_target, "tiny", max_batch=4, context=64, max_tokens=8, max_queue=32,
+                    chunk_steps=4, warm=(True,))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(served_app):
+    with run_server(served_app) as url:
         yield url
 
 
@@ -466,7 +470,35 @@ def drained(url) -> dict:
     return health
 
 
-def test_disconnect_mid_stream_frees_the_slot(chat_target, server):
+def test_disconnect_mid_stream_frees_the_slot(chat_target, served_app, server, monkeypatch):
+    # the engine's host turns held once a turn has handed out tokens, so a request that has
+    # streamed its first is still running when its client leaves (the tiny model would
+    # otherwise finish all 56 tokens in milliseconds)
+    engine, held, go = served_app.state.worker.engine, threading.Event(), threading.Event()
+    step = engine.step
+
+    def holding_step():
+        if held.is_set():
+            go.wait(30)
+        updates = step()
+        if any(u.tokens for u in updates) and not go.is_set():
+            held.set()
+        return updates
+
+    monkeypatch.setattr(engine, "step", holding_step)
+    inbox = served_app.state.worker.inbox
+
+    def leave_while_held(body, holding: int) -> dict:
+        held.clear(), go.clear()
+        with httpx.stream("POST", server + "/v1/completions", json=body, timeout=60) as r:
+            next(r.iter_lines())  # a first token: the request holds its slots
+            assert httpx.get(server + "/health").json()["in_flight"] == holding
+        deadline = time.monotonic() + 30
+        while inbox.empty() and time.monotonic() < deadline:  # the server saw it leave
+            time.sleep(0.01)
+        go.set()
+        return drained(server)
+
     # a prompt that runs its whole budget (no end-of-turn token), so it is still running
     prompts, _ = prompts_and_budgets(chat_target, 8, seed=5)
     prompts = [p[:4] for p in prompts]
@@ -475,15 +507,10 @@ def test_disconnect_mid_stream_frees_the_slot(chat_target, server):
     assert long, "no prompt of the tiny model runs 56 tokens"
     body = {"prompt": long[0], "max_tokens": 56, "stream": True}
     cancelled = httpx.get(server + "/health").json()["cancelled"]
-    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=60) as r:
-        next(r.iter_lines())  # the first chunk: the request holds a slot
-        assert httpx.get(server + "/health").json()["in_flight"] == 1
-    health = drained(server)
+    health = leave_while_held(body, 1)
     assert health["in_flight"] == 0 and health["cancelled"] == cancelled + 1  # not run out
     assert health["width"] in (1, 4) and health["slots"] == 4  # the ladder of a pool of 4
-    with httpx.stream("POST", server + "/v1/completions", json={**body, "n": 2}, timeout=60) as r:
-        next(r.iter_lines())  # both choices hold a slot; the disconnect frees both
-    health = drained(server)
+    health = leave_while_held({**body, "n": 2}, 2)  # both choices hold a slot; both freed
     assert health["in_flight"] == 0 and health["cancelled"] == cancelled + 3
     reply = httpx.post(server + "/v1/completions", json={"prompt": "ok", "max_tokens": 3})
     assert reply.status_code == 200

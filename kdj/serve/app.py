@@ -73,6 +73,7 @@ def build_app(worker: Worker, served: Served) -> FastAPI:
         worker.stop()  # after uvicorn's graceful shutdown: cancels what is still running
 
     app = FastAPI(title="kdj", lifespan=lifespan)
+    app.state.worker = worker  # for code that embeds the app (and tests) to reach the engine
 
     # every error in OpenAI's shape, not FastAPI's {"detail": ...}
     @app.exception_handler(StarletteHTTPException)
