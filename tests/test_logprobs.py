@@ -99,8 +99,9 @@ def test_a_pool_switches_between_requests_with_and_without_logprobs(vocab12_pair
     its own k."""
     target, _ = vocab12_pair
     engine = Engine(target, max_batch=2, cache_size=32, max_new_cap=8, chunk_steps=3)
-    asks = [None, 1, 4, None, 0]
-    ids = [engine.submit(Request(PROMPTS[i % 3], 8, [], logprobs=k)) for i, k in enumerate(asks)]
+    asks, budgets = [None, 1, 4, None, 0], [8, 3, 8, 8, 8]  # 1 ends first: 4 moves to width 1
+    ids = [engine.submit(Request(PROMPTS[i % 3], m, [], logprobs=k))
+           for i, (k, m) in enumerate(zip(asks, budgets))]  # fmt: skip
     got = {i: ([], []) for i in ids}
     while engine.busy:
         for u in engine.step():
@@ -108,7 +109,7 @@ def test_a_pool_switches_between_requests_with_and_without_logprobs(vocab12_pair
             assert (u.logprobs is None) == (asks[ids.index(u.id)] is None)
             got[u.id][1].extend(u.logprobs or [])
     want = kdj.generate(target, [PROMPTS[i % 3] for i in range(5)], method="ar",
-                        max_new_tokens=8, stop_tokens=[], logprobs=4)  # fmt: skip
+                        max_new_tokens=budgets, stop_tokens=[], logprobs=4)  # fmt: skip
     for i, k in zip(ids, asks):
         tokens, values = got[i]
         assert tokens == want.tokens[i]
@@ -116,6 +117,7 @@ def test_a_pool_switches_between_requests_with_and_without_logprobs(vocab12_pair
             assert x.logprob == pytest.approx(y.logprob, abs=TOL)
             assert [j for j, _ in x.top] == [j for j, _ in y.top[:k]]
             assert [v for _, v in x.top] == pytest.approx([v for _, v in y.top[:k]], abs=TOL)
+    assert engine.resizes > 0  # the record moved with its slot from width 2 to 1
     with pytest.raises(ValueError, match="logprobs"):
         engine.submit(Request([1], 4, [], logprobs=21))
 
