@@ -75,8 +75,10 @@ def test_pool_stop_tokens_cancel_and_bad_requests(target):
     assert len(got[c]) == 11 and sorted(finished) == [a, b, c] and not engine.busy
     engine.reset()  # after a failed step: a fresh pool that serves again
     d = engine.submit(Request(prompts[0], 11, [stop_at]))
-    # one chunk is enough; the host reads its report a call later (the engine's lookahead)
-    assert [u.tokens for u in engine.step() + engine.step() if u.id == d] == [got[a]]
+    # one chunk is enough: the host hands out the first token (its prefill's) a call later,
+    # and the chunk's report a call after that (the engine's lookahead)
+    out = [t for _ in range(3) for u in engine.step() if u.id == d for t in u.tokens]
+    assert out == got[a]
     for bad, why in [(Request([], 4, []), "empty"), (Request([1], 0, []), "max_tokens"),
                      (Request([1] * 60, 8, []), "context"),
                      (Request([1], 4, [], top_p=0.0), "top_p")]:  # fmt: skip
@@ -113,6 +115,24 @@ def test_the_host_queues_admission_and_the_next_chunk_while_the_device_runs(targ
     assert [tokens[0], tokens[1]] == alone(target, prompts, [6, 6])
 
 
+def test_a_newcomers_first_token_comes_before_its_first_chunk(target):
+    """A request's first token (its prefill's) is handed out alone, a turn before the chunk
+    it joined reports: the time to first token is the prefill's, not a chunk's."""
+    prompts, _ = prompts_and_budgets(target, 1, seed=4)
+    ref = alone(target, prompts, [9])[0]
+    engine = Engine(target, max_batch=2, cache_size=64, max_new_cap=9, chunk_steps=4,
+                    widths=(2,))  # fmt: skip
+    engine.submit(Request(prompts[0], 9, []))
+    assert engine.step() == []  # its prefill and chunk 0 queued
+    first = engine.step()  # chunk 1 queued; the prefill's token, not chunk 0's report
+    assert [(u.tokens, u.finished, u.steps) for u in first] == [(ref[:1], False, 0)]
+    assert [u.tokens for u in engine.step()] == [ref[1:5]]  # chunk 0: four steps
+    rest = []
+    while engine.busy:
+        rest += [t for u in engine.step() for t in u.tokens]
+    assert rest == ref[5:]
+
+
 def test_a_failed_pool_program_fails_what_follows_until_reset(target):
     """A program that raises on the device thread fails every later one (none runs on a
     pool it left halfway) until reset gives a fresh pool, which serves again."""
@@ -123,7 +143,9 @@ def test_a_failed_pool_program_fails_what_follows_until_reset(target):
     engine.pool = engine.pool._replace(state=bad)
     engine.submit(Request(prompts[0], 4, []))
     engine.step()
-    with pytest.raises(RuntimeError, match="earlier pool program failed"):
+    with pytest.raises(TypeError, match="pool.state.done"):  # the prefill's own error
+        engine.step()
+    with pytest.raises(RuntimeError, match="earlier pool program failed"):  # the chunk's
         engine.step()
     assert engine.reset() == [0]
     engine.submit(Request(prompts[0], 4, []))
@@ -192,6 +214,34 @@ def test_pool_auto_token_identical(vocab12_pair):
     assert list(out.stats["menus"]) == [1, 2]  # priced at each width of the pool's ladder
     with pytest.raises(ValueError, match="needs a draft shape"):
         Engine(target, 2, 64, 8, drafter=drafter, menu=(DraftShape("none"),))
+
+
+def test_auto_says_why_it_drafts_where_it_does(vocab12_pair):
+    """The engine's pricing: per width of auto's ladder, each priced entry's predicted tok/s
+    (what /stats serves); bench-serve keeps the widths a level ran."""
+    from kdj.serve.bench import stats_delta
+
+    target, drafter = vocab12_pair
+    menu = auto.parse_menu("auto", ["none", "chain", "tree12"], 6, None)
+    engine = Engine(target, 4, 64, 8, drafter=drafter, menu=menu, widths=(1, 4))
+    assert engine.pricing()[4]["tree12"] == 0.0  # no prior tau: nothing predicted
+    known = dataclasses.replace(drafter, prior_acceptance=2.5)
+    engine = Engine(target, 4, 64, 8, drafter=known, menu=menu, widths=(1, 4))
+    pricing = engine.pricing()
+    assert list(pricing) == [1, 4]
+    for w, rates in pricing.items():
+        assert list(rates) == [str(s) for s in engine.plans[w].menu] and "none" in rates
+        assert all(r > 0 for r in rates.values())
+    assert pricing[4]["none"] > pricing[1]["none"]  # four rows a step
+    assert Engine(target, 4, 64, 8, drafter=drafter, menu=menu[1:2]).pricing() == {}
+    zero = {"turns": 0, "chunks": 0, "wait_s": 0.0, "turn_s": 0.0, "tokens": 0, "prefills": 0,
+            "admitted": 0, "widths": {}}  # fmt: skip
+    worker = {"idle_s": 0.0, "deliver_s": 0.0}
+    lag = {"samples": 0, "total_s": 0.0, "max_s": 0.0}
+    before = {"engine": zero, "worker": worker, "loop_lag": lag}
+    after = {"engine": {**zero, "turns": 2, "widths": {"1": 0, "4": 3}}, "worker": worker,
+             "loop_lag": lag, "pricing": {"1": {"none": 1.0}, "4": {"none": 4.0}}}  # fmt: skip
+    assert stats_delta(before, after, 1.0)["pricing"] == {"4": {"none": 4.0}}
 
 
 def test_pool_admission_resets_the_slots_forecast(vocab12_pair):

@@ -122,6 +122,17 @@ def largest_tree(shapes) -> int:
     return max([s.size for s in shapes if s.kind == "tree"], default=0)
 
 
+def entry_rate(shape, cost, batch: int, context: float, built: int, prior: float,
+               measured=None) -> float:  # fmt: skip
+    """Tokens per second one sequence commits with menu entry `shape` by the cost model (host
+    floats): its expected tau (`entry_tau`) per step that drafts, building a tree of `built`
+    nodes, and verifies it; for "none", one token per plain step."""
+    if shape.kind == "none":
+        return 1.0 / float(cost.seconds(batch, 1, context))
+    step = cost.seconds(batch, 1 + shape.size, context) + cost.draft_seconds(batch, context, built)
+    return entry_tau(shape, prior, measured) / float(step)
+
+
 def paying_menu(shapes, cost, batch: int, context: float, prior: float, measured=None):
     """The entries of the menu that can pay at this batch size, chosen once, at trace time
     (host floats): an entry stays when a step that drafts and verifies it, committing the
@@ -137,12 +148,10 @@ def paying_menu(shapes, cost, batch: int, context: float, prior: float, measured
     plain decoding."""
     if prior <= 0 or not any(s.kind == "none" for s in shapes):
         return shapes
-    plain = 1.0 / float(cost.seconds(batch, 1, context))
+    plain = entry_rate(DraftShape("none"), cost, batch, context, 0, prior)
 
     def rate(s, built) -> float:
-        """Tokens per second of entry s, each drafted step building a tree of `built` nodes."""
-        step = cost.seconds(batch, 1 + s.size, context) + cost.draft_seconds(batch, context, built)
-        return entry_tau(s, prior, measured) / float(step)
+        return entry_rate(s, cost, batch, context, built, prior, measured)
 
     def pays(s, built):
         exact = cost.measured_at(batch, 1) and cost.measured_at(batch, 1 + s.size)

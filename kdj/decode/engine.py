@@ -156,6 +156,7 @@ class Engine:
         self.sent: dict[int, int] = {}  # each running request's tokens handed out so far
         self.steps: dict[int, int] = {}  # and its steps, as of the last report read
         self.inflight: collections.deque[InFlight] = collections.deque()
+        self.newcomers: collections.deque[Newcomers] = collections.deque()  # first tokens due
         self.cancelled: set[int] = set()
         self._ids = itertools.count()
         self._axes: dict[int, tuple] = {}  # each width's slot axes (widths.batch_axes)
@@ -222,7 +223,7 @@ class Engine:
         except BaseException as e:
             self._broken = e
             raise
-        self._pool = out.pool if isinstance(out, Ran) else out
+        self._pool = out if isinstance(out, pool.Pool) else out.pool  # a Ran, an Admitted
         return out
 
     def _restart(self, value: pool.Pool) -> None:
@@ -249,6 +250,22 @@ class Engine:
         if key not in self._programs:
             self._programs[key] = self.target.executables.get(fn, *args, **static)
         return self._programs[key]
+
+    def pricing(self) -> dict[int, dict[str, float]]:
+        """Why auto drafts where it does: per width, each entry of the menu priced for it
+        and the tokens per second the cost model predicts for a full pool running it ("none":
+        plain steps), at the entry's prior tau (0 without one: auto drafts to find out) and
+        half a slot's context (where kdj serve prices its menus). Empty for AR and the fixed
+        methods."""
+        d = self.drafter
+        out = {}
+        for w, plan in self.plans.items():
+            if plan.adaptive:
+                built = auto.largest_tree(plan.menu)
+                out[w] = {str(s): w * auto.entry_rate(s, plan.cost, w, self.S / 2, built,
+                                                      d.prior_acceptance, d.entry_acceptance)
+                          for s in plan.menu}  # fmt: skip
+        return out
 
     @property
     def plan(self) -> Plan:
@@ -326,6 +343,7 @@ class Engine:
         self.sent.clear()
         self.steps.clear()
         self.inflight.clear()
+        self.newcomers.clear()
         self.cancelled.clear()
         self.pool = self._empty(self.width)
         return ids
@@ -336,15 +354,18 @@ class Engine:
 
     # ------------------------------------------------------------------ the host's turn
     def step(self) -> list[Update]:
-        """Retire cancelled slots, admit, queue one chunk on the device, and hand out the new
-        tokens of the oldest chunk in flight once more than `lookahead` are (or nothing was
-        left to queue)."""
+        """Retire cancelled slots, admit, queue one chunk on the device (unless more than
+        `lookahead` are queued), and hand out the new tokens of the oldest chunk in flight
+        once more than `lookahead` are (or nothing was left to queue). Newcomers' first
+        tokens come before that chunk's: once their prefill, which runs before it, is done
+        (a turn of their own), so a request's first token waits for its prefill, not for
+        the chunk after it."""
         t0 = time.perf_counter()
         updates = self._drop_cancelled()
         self._fit()
         self._admit()
         live = sum(r is not None for r in self.slots)
-        if live:
+        if live and len(self.inflight) <= self.lookahead:
             self.chunk_widths.append(self.width)
             plan = dataclasses.replace(self.plan, greedy=self.greedy)
             fn = self._chunk_program(self._shape(self.width), self.width, plan)
@@ -353,11 +374,13 @@ class Engine:
             bound = np.int32(self.bounds[self.width])
             ran = self._queue(_run_chunk, fn, ts, ds, bound, np.int32(wake))
             choices = (*map(str, self.plans[self.width].menu), "plain")
-            self.inflight.append(InFlight(ran, list(self.slots), self.width, choices))
+            chunk = self.stats.chunks
+            self.inflight.append(InFlight(ran, list(self.slots), self.width, choices, chunk))
             self.stats.chunks += 1
             self.stats.widths[self.width] = self.stats.widths.get(self.width, 0) + 1
         if self.inflight and (len(self.inflight) > self.lookahead or not live):
-            updates += self._collect(self.inflight.popleft())
+            first = self._first_tokens(self.inflight[0].chunk)
+            updates += first or self._collect(self.inflight.popleft())
         self.stats.turns += 1
         self.stats.turn_s += time.perf_counter() - t0
         return updates
@@ -520,8 +543,29 @@ class Engine:
             key = ("prefill", W, A, plan.greedy, plan.logprobs)
             fn = self._program(key, pool.prefill, tg, ts, dg, ds, self._shape(W), new,
                                self.priors[W], options=self._xla, plan=plan)  # fmt: skip
-            self._queue(lambda p, fn=fn, new=new: fn(ts, ds, p, new, self.priors[W]))
+            last = np.asarray(free[: len(take)], np.int32) if c == chunks - 1 else None
+            joined = self._queue(_prefill_chunk, fn, ts, ds, new, self.priors[W], last)
             self.stats.prefills += 1
+        # the chunk queued next is the first they run in: their first tokens come before it
+        self.newcomers.append(Newcomers(joined, take, self.stats.chunks))
+
+    def _first_tokens(self, chunk: int) -> list[Update]:
+        """The first tokens of the newcomers admitted before chunk `chunk` that are not
+        handed out yet: waits for their prefill (queued before that chunk), not the chunk."""
+        updates = []
+        while self.newcomers and self.newcomers[0].before <= chunk:
+            came = self.newcomers.popleft()
+            t0 = time.perf_counter()
+            joined = came.joined.result()
+            first = np.asarray(joined.first)
+            record = jax.tree.map(np.asarray, joined.logprobs)  # [newcomers, 1] or None
+            self.stats.wait_s += time.perf_counter() - t0
+            for i, (r, token) in enumerate(zip(came.requests, first.tolist())):
+                if self.sent.get(r.id) == 0:  # still running, nothing of it handed out
+                    self.sent[r.id] = 1
+                    mine = None if r.logprobs is None else lps.rows(record, i, 0, 1, r.logprobs)
+                    updates.append(Update(r.id, [token], False, 0, mine))
+        return updates
 
     def _collect(self, flight: InFlight) -> list[Update]:
         """The updates of a chunk's report; its finished requests leave their slots."""
@@ -585,3 +629,36 @@ class InFlight(NamedTuple):
     rows: list[Request | None]
     width: int
     choices: tuple[str, ...]  # the names of the report's tally rows
+    chunk: int  # its place among the engine's chunks (0, 1, ...)
+
+
+class Joined(NamedTuple):
+    """What an admission's last prefill call gives back: the pool, and the newcomers' first
+    tokens (their copy to the host under way)."""
+
+    pool: pool.Pool
+    first: jax.Array  # [newcomers] int32
+    logprobs: lps.Logprobs | None  # [newcomers, 1] the first tokens', when the pool records
+
+
+class Newcomers(NamedTuple):
+    """Requests admitted together, whose first tokens the host hands out before chunk
+    `before` (the first they run in)."""
+
+    joined: concurrent.futures.Future  # of a Joined
+    requests: list[Request]
+    before: int
+
+
+def _prefill_chunk(pool_: pool.Pool, fn, ts, ds, new, prior, rows):
+    """On the device thread: one prefill call; after an admission's last (rows: its pool
+    rows), a Joined with the newcomers' first tokens."""
+    pool_ = fn(ts, ds, pool_, new, prior)
+    if rows is None:
+        return pool_
+    state = pool_.state
+    joined = Joined(pool_, state.out[rows, 0],
+                    jax.tree.map(lambda x: x[rows, :1], state.logprobs))  # fmt: skip
+    for x in jax.tree.leaves((joined.first, joined.logprobs)):
+        x.copy_to_host_async()
+    return joined

@@ -99,13 +99,17 @@ def build_app(worker: Worker, served: Served) -> FastAPI:
                 "width": engine.width, "resizes": engine.resizes,
                 "cancelled": worker.cancelled}  # fmt: skip
 
+    pricing = worker.engine.pricing()  # fixed when the engine was built
+
     @app.get("/stats")
     async def stats():
-        """Cumulative counters of the host's time (a benchmark differences two reads)."""
+        """Cumulative counters of the host's time (a benchmark differences two reads), and
+        auto's pricing per width (why it drafts where it does)."""
         engine = worker.engine
         lagged = {"samples": lag.samples, "total_s": lag.total_s, "max_s": lag.max_s}
         return {"method": engine.method, "engine": dataclasses.asdict(engine.stats),
-                "worker": dataclasses.asdict(worker.stats), "loop_lag": lagged}  # fmt: skip
+                "worker": dataclasses.asdict(worker.stats), "loop_lag": lagged,
+                "pricing": pricing}  # fmt: skip
 
     @app.get("/v1/models")
     async def models():
