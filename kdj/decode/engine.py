@@ -430,7 +430,7 @@ class Engine:
             return
         empty = self._maker(width)
         if live:
-            rows = np.asarray(live + [-1] * (width - len(live)), np.int32)
+            rows = jax.device_put(np.asarray(live + [-1] * (width - len(live)), np.int32))
             args = (self._shape(self.width), self._shape(width), rows, self.priors[width])
             fn = self._program(("resize", self.width, width, self.logprobs), resize, *args,
                                axes=self._slot_axes(width), src=self.plan,
@@ -560,11 +560,17 @@ class Engine:
             first = np.asarray(joined.first)
             record = jax.tree.map(np.asarray, joined.logprobs)  # [newcomers, 1] or None
             self.stats.wait_s += time.perf_counter() - t0
+            ended = set()
             for i, (r, token) in enumerate(zip(came.requests, first.tolist())):
                 if self.sent.get(r.id) == 0:  # still running, nothing of it handed out
                     self.sent[r.id] = 1
+                    done = r.max_new <= 1 or token in r.stop  # as the prefill decided
                     mine = None if r.logprobs is None else lps.rows(record, i, 0, 1, r.logprobs)
-                    updates.append(Update(r.id, [token], False, 0, mine))
+                    updates.append(Update(r.id, [token], done, 0, mine))
+                    if done:  # its row rides along done in the chunks already queued
+                        ended.add(r.id)
+                        del self.sent[r.id], self.steps[r.id]
+            self.slots = [None if r is not None and r.id in ended else r for r in self.slots]
         return updates
 
     def _collect(self, flight: InFlight) -> list[Update]:
