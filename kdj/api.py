@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -18,6 +19,8 @@ import numpy as np
 from kdj import arguments
 from kdj.cache import init_cache
 from kdj.decode import auto, loop, tune
+from kdj.decode import logprobs as lps
+from kdj.decode.logprobs import TokenLogprob
 from kdj.decode.sampling import request_keys
 from kdj.decode.state import Plan, Prefilled
 from kdj.decode.stream import bulk_wake, generate_stream
@@ -41,6 +44,9 @@ class GenerateOutput:
     # why each sequence ended (FINISH_REASONS): "stop" (it emitted one of its stop tokens),
     # "length" (it used its max_new_tokens), "cache" (its KV cache filled first)
     finish_reasons: list[str]
+    # with logprobs=k: per prompt, one per token of `tokens`: its log-probability under the
+    # target (log-softmax of the raw logits, whatever the sampling) and its k alternatives'
+    logprobs: list[list[TokenLogprob]] | None = None
 
 
 FINISH_REASONS = ("stop", "length", "cache")
@@ -78,6 +84,7 @@ def generate(
     calibration: float | None = None,
     max_batch: int | None = None,
     deterministic: bool = False,
+    logprobs: int | None = None,
 ) -> GenerateOutput:
     """Generate for a batch of prompts (strings or token-id lists of any lengths).
 
@@ -116,11 +123,17 @@ def generate(
     deterministic=True (kernel policy `as_deterministic`) the output depends only on the
     target, the prompt, the sampling parameters and the prompt's seed: not on the drafter,
     the method, the batch or the run.
+
+    logprobs=k (0 .. 20) also returns, for every generated token, its log-probability and
+    the k most likely tokens at its position with theirs (GenerateOutput.logprobs): the
+    log-softmax of the target's raw logits there (temperature and top_p aside), the same for
+    every method; the tokens are those of logprobs=None.
     """
     # ---- arguments: every check of the caller's options, before anything is compiled
     opts = check_options(target, drafter, method, block_size, tree_budget, menu, calibration,
                          temperature, top_p, mesh)  # fmt: skip
     temperature, top_p = arguments.sampling(temperature, top_p)
+    logprobs = arguments.logprobs(logprobs)
     if arguments.flag(deterministic, "deterministic"):
         target = deterministic_target(target)
     if tokenizer is not None:
@@ -130,7 +143,7 @@ def generate(
     batch = pack(target, prompts, tokenizer, max_new_tokens, stop_tokens, cache_size)
     if max_batch is not None and batch.B > arguments.integer(max_batch, "max_batch", 1):
         return stream(opts, target, drafter, batch, max_batch, temperature, top_p, seed,
-                      tokenizer, cost)  # fmt: skip
+                      tokenizer, cost, logprobs)  # fmt: skip
     seeds, per_prompt = arguments.seeds(seed, batch.B)
     seeds += [0] * (batch.tokens.shape[0] - batch.B)  # the padding rows
     opts = cap_trees(opts, batch)
@@ -140,13 +153,16 @@ def generate(
             drafter = drafter.on(target.sharding)  # the drafter lives on its target's mesh
         drafter = drafter.with_kernels(target.cfg.kernels)  # and follows its kernel policy
     plan, prior, shapes = make_plan(opts, target, drafter, batch, temperature == 0.0, cost)
+    # a vocabulary has no more alternatives than its tokens
+    k = None if logprobs is None else min(logprobs, target.cfg.vocab_size)
+    plan = dataclasses.replace(plan, logprobs=k)
     # ---- run
     keys = request_keys(seeds, shared=per_prompt or target.cfg.kernels.deterministic)
     sampling = (keys, jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p))
     res = execute(target, drafter if plan.speculative else None, batch, plan, sampling,
                   opts.calibration, prior)  # fmt: skip
     # ---- output
-    return assemble(opts, shapes, batch, res, tokenizer)
+    return assemble(opts, shapes, batch, res, tokenizer, logprobs)
 
 
 def deterministic_target(target: Target) -> Target:
@@ -270,6 +286,7 @@ class Run(NamedTuple):
     steps: int
     stats: Any  # kdj.decode.state.Stats of numpy arrays, None for plain decoding
     times: dict  # compile_s, prefill_s, decode_s
+    logprobs: Any = None  # kdj.decode.logprobs.Logprobs of numpy arrays, when the plan asks
 
 
 def execute(target, drafter, batch: Batch, plan: Plan, sampling, calibration, prior) -> Run:
@@ -289,14 +306,19 @@ def execute(target, drafter, batch: Batch, plan: Plan, sampling, calibration, pr
     exe, xla = target.executables, target.cfg.kernels.compiler_options()
     t0 = time.perf_counter()
     pre = exe.get(loop.prefill, tg, ts, dg, ds, tokens, lens, tcache, dcache, key, temp, topp,
-                  options=xla, greedy=plan.greedy)  # fmt: skip
+                  options=xla, greedy=plan.greedy, logprobs=plan.logprobs)  # fmt: skip
     # compile the loop for exactly what prefill hands it: XLA may lay a cache out differently
     # from how it was passed in (e.g. a single KV head split by head_dim)
-    like = Prefilled(jnp.zeros((B,), jnp.int32), tcache, dcache)
+    record = None if plan.logprobs is None else lps.empty((B,), plan.logprobs)
+    like = Prefilled(jnp.zeros((B,), jnp.int32), tcache, dcache, record)
     spec = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), like,
                         pre.output_shardings)  # fmt: skip
-    dec = exe.get(loop.decode, tg, ts, dg, ds, spec, max_new, stop, key, temp, topp, cal, prior,
-                  options=xla, plan=plan)  # fmt: skip
+    with warnings.catch_warnings():
+        if plan.logprobs is not None:  # the first token's [B, k] alternatives, donated with
+            # the rest of `pre`, fit no buffer of the run's [B, N, k] record: no harm
+            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+        dec = exe.get(loop.decode, tg, ts, dg, ds, spec, max_new, stop, key, temp, topp, cal,
+                      prior, options=xla, plan=plan)  # fmt: skip
     t1 = time.perf_counter()
     first = jax.block_until_ready(pre(ts, ds, tokens, lens, tcache, dcache, key, temp, topp))
     t2 = time.perf_counter()
@@ -304,7 +326,7 @@ def execute(target, drafter, batch: Batch, plan: Plan, sampling, calibration, pr
     out = jax.tree.map(np.asarray, out)  # only what the host needs: never the caches
     t3 = time.perf_counter()
     times = {"compile_s": t1 - t0, "prefill_s": t2 - t1, "decode_s": t3 - t2}
-    return Run(out.out, out.n_out, int(out.steps), out.stats, times)
+    return Run(out.out, out.n_out, int(out.steps), out.stats, times, out.logprobs)
 
 
 def stream_seeds(seed, B: int) -> dict:
@@ -336,7 +358,7 @@ def pool_drafting(opts: Options, target, drafter, max_batch: int, cache_size: in
 
 
 def stream(opts: Options, target, drafter, batch: Batch, max_batch, temperature, top_p, seed,
-           tokenizer, cost=None) -> GenerateOutput:  # fmt: skip
+           tokenizer, cost=None, logprobs=None) -> GenerateOutput:  # fmt: skip
     """generate with more prompts than max_batch: the prompts stream through the engine."""
     B, t0 = batch.B, time.perf_counter()
     wake = bulk_wake(max_batch)
@@ -346,7 +368,7 @@ def stream(opts: Options, target, drafter, batch: Batch, max_batch, temperature,
         target, [batch.tokens[b, : batch.lens[b]].tolist() for b in range(B)], max_batch,
         batch.max_new[:B], [[int(i) for i in row if i >= 0] for row in batch.stop[:B]],
         cache_size=batch.capacity, temperature=temperature, top_p=top_p,
-        wake=wake, admit_rows=wake,
+        wake=wake, admit_rows=wake, logprobs=logprobs,
         **stream_seeds(seed, B), **drafting,
     )  # fmt: skip
     toks, texts = res.tokens, None
@@ -361,7 +383,7 @@ def stream(opts: Options, target, drafter, batch: Batch, max_batch, temperature,
         menus = drafting.get("menu", {max_batch: (DraftShape("none"),)})
         stats["menu"] = [str(s) for s in menus[max_batch]]
         stats["menus"] = {w: [str(s) for s in m] for w, m in menus.items()}
-    return GenerateOutput(toks, texts, stats, finish_reasons(toks, batch))
+    return GenerateOutput(toks, texts, stats, finish_reasons(toks, batch), res.logprobs)
 
 
 def finish_reasons(tokens: list[list[int]], batch: Batch) -> list[str]:
@@ -378,8 +400,10 @@ def finish_reasons(tokens: list[list[int]], batch: Batch) -> list[str]:
     return reasons
 
 
-def assemble(opts: Options, shapes, batch: Batch, res: Run, tokenizer) -> GenerateOutput:
-    """Tokens per prompt (padding rows dropped), texts, and stats."""
+def assemble(opts: Options, shapes, batch: Batch, res: Run, tokenizer,
+             logprobs: int | None = None) -> GenerateOutput:  # fmt: skip
+    """Tokens per prompt (padding rows dropped), texts, stats, and `logprobs` alternatives
+    per token when not None."""
     B, method = batch.B, opts.method
     toks = [res.out[b, : res.n_out[b]].tolist() for b in range(B)]
     texts = None
@@ -394,7 +418,10 @@ def assemble(opts: Options, shapes, batch: Batch, res: Run, tokenizer) -> Genera
         stats["tree_budget_requested"] = opts.requested_tree_budget
         stats["mean_tree_size"] = float(np.mean(sizes)) if sizes else float("nan")
         stats["mean_accepted_depth"] = stats["mean_acceptance"] - 1
-    return GenerateOutput(toks, texts, stats, finish_reasons(toks, batch))
+    record = None
+    if logprobs is not None:
+        record = [lps.rows(res.logprobs, b, 0, len(toks[b]), logprobs) for b in range(B)]
+    return GenerateOutput(toks, texts, stats, finish_reasons(toks, batch), record)
 
 
 def _as_token_lists(target: Target, prompts, tokenizer: Tokenizer | None) -> list[list[int]]:

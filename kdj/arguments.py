@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdj.cost import StepCost
+from kdj.decode.logprobs import MAX_TOP
 
 METHODS = ("ar", "dflash", "ddtree", "auto")
 COSTS = ("tune", "estimate")  # generate's named cost choices (beside a StepCost or its path)
@@ -227,6 +228,16 @@ def flag(value, name: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False (got {value!r})")
     return bool(value)
+
+
+def logprobs(value) -> int | None:
+    """None (no log-probabilities), or the alternatives to return per token, 0 .. MAX_TOP."""
+    if value is None:
+        return None
+    k = integer(value, "logprobs", 0)
+    if k > MAX_TOP:
+        raise ValueError(f"logprobs must be <= {MAX_TOP} alternatives per token (got {k})")
+    return k
 
 
 def max_new_tokens(value, n: int) -> list[int]:

@@ -137,7 +137,7 @@ def test_rollback_by_length(target):
                                     cache.lengths, cache)  # fmt: skip
     cache = cache.with_lengths(cache.lengths + 1)
     first = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
-    out, n, _, _ = loop.decode(
+    out, n, *_ = loop.decode(
         target.graphdef, target.state, None, None, Prefilled(first, cache, None),
         jnp.asarray([8]), jnp.asarray([[-1]]), *args, jnp.float32(1.0), jnp.zeros((1,)),
         plan=Plan(greedy=True, max_steps=8),

@@ -636,14 +636,16 @@ def test_openai_client_chat_streaming_n_and_logprobs(server):
     assert streamed_choices(chunks) == {0: text, 1: text, 2: text}
     finished = [c.index for chunk in chunks for c in chunk.choices if c.finish_reason]
     assert sorted(finished) == [0, 1, 2]
-    with pytest.raises(openai.BadRequestError, match="log-probabilities") as e:
-        client.chat.completions.create(**ask, logprobs=True)
-    assert e.value.param == "logprobs" and e.value.status_code == 400
-    with pytest.raises(openai.BadRequestError, match="log-probabilities"):
+    with pytest.raises(openai.BadRequestError, match="'top_logprobs' must be in") as e:
+        client.chat.completions.create(**ask, logprobs=True, top_logprobs=21)
+    assert e.value.param == "top_logprobs" and e.value.status_code == 400
+    with pytest.raises(openai.BadRequestError, match="needs 'logprobs': true"):
         client.chat.completions.create(**ask, top_logprobs=2)
-    with pytest.raises(openai.BadRequestError, match="log-probabilities"):
-        client.completions.create(model="tiny", prompt="hi", max_tokens=2, logprobs=1)
+    with pytest.raises(openai.BadRequestError, match="'logprobs' must be in"):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2, logprobs=6)
     assert client.chat.completions.create(**ask, logprobs=False).choices[0].message.content == text
+    scored = client.chat.completions.create(**ask, logprobs=True).choices[0]  # test_logprobs.py
+    assert scored.message.content == text == "".join(c.token for c in scored.logprobs.content)
 
 
 def post_many(url, requests):

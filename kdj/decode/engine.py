@@ -44,6 +44,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -57,6 +58,7 @@ import numpy as np
 
 from kdj import arguments
 from kdj.decode import auto, pool
+from kdj.decode import logprobs as lps
 from kdj.decode.pool import STOP_WIDTH
 from kdj.decode.requests import Request, Update, mode_of
 from kdj.decode.state import Plan
@@ -87,7 +89,11 @@ class Engine:
     at temperature `calibration` (kdj.api's `pool_drafting` builds these from a method and
     prices auto's menu for the pool); without a drafter, plain decoding.
     The running slots share a `Mode`: greedy (exact argmax) or sampled at one top_p, each slot
-    at its own temperature; the pool switches mode when it drains. A request's token at
+    at its own temperature, with or without log-probabilities; the pool switches mode when
+    it drains. Requests that ask for log-probabilities are a mode of their own, since the
+    mode's machinery exists already and a pool without them runs the very programs it
+    would anyway; such a pool records the MAX_TOP alternatives of every token (one program
+    whatever a request's k), and each request gets its own k of them. A request's token at
     position p is sampled with a key from (its seed, p), so its samples do not depend on its
     neighbours; without a seed of its own it gets one from `seed` and its id. The device
     runs `chunk_steps` steps at most (an int, or one per width: a mapping width -> steps;
@@ -139,6 +145,7 @@ class Engine:
         if drafter is not None:
             self._drafting_plans(drafter, block_size, menu, cost)
         self.greedy, self.wake, self.lookahead = True, wake, lookahead
+        self.logprobs = False  # whether the pool records log-probabilities (its mode's)
         self.wake_share = wake_share
         self.admit_rows = admit_rows
         self.C = min(prefill_chunk, cache_size)  # prompt tokens per prefill call
@@ -224,7 +231,8 @@ class Engine:
 
     def _shape(self, width: int) -> pool.Pool:
         """The pool of `width` slots as shapes on the device: what a program is looked up by."""
-        if width not in self._shapes:
+        key = (width, self.logprobs)
+        if key not in self._shapes:
             on_device = jnp.zeros(()).sharding  # where the pool's arrays live: part of the key
 
             def shaped(x):
@@ -232,8 +240,8 @@ class Engine:
                                             weak_type=x.weak_type)  # fmt: skip
 
             empty = jax.eval_shape(lambda: self._empty(width))
-            self._shapes[width] = jax.tree.map(shaped, empty)
-        return self._shapes[width]
+            self._shapes[key] = jax.tree.map(shaped, empty)
+        return self._shapes[key]
 
     def _program(self, key: tuple, fn, *args, **static):
         """The compiled `fn` for the pool's program `key` ((kind, width, ...)), found in the
@@ -262,7 +270,13 @@ class Engine:
     @property
     def plan(self) -> Plan:
         """The plan of the width the pool runs at now."""
-        return self.plans[self.width]
+        return self._layout(self.width)
+
+    def _layout(self, width: int) -> Plan:
+        """The plan that shapes the pool at `width`: the width's, recording log-probabilities
+        when the running mode does (greedy is set per program)."""
+        k = min(lps.MAX_TOP, self.target.cfg.vocab_size) if self.logprobs else None
+        return dataclasses.replace(self.plans[width], logprobs=k)
 
     @property
     def method(self) -> str:
@@ -275,8 +289,13 @@ class Engine:
         return "dflash" if plan.menu[0].kind == "chain" else "ddtree"
 
     def _empty(self, width: int) -> pool.Pool:
-        return pool.empty(self.target, self.drafter, self.plans[width], width, self.S,
-                          self.calibration, self.priors[width])  # fmt: skip
+        return self._maker(width)()
+
+    def _maker(self, width: int):
+        """A call making an empty pool of `width` slots in the running mode: bound now, for
+        the device thread to run later (the mode may change before it does)."""
+        return functools.partial(pool.empty, self.target, self.drafter, self._layout(width),
+                                 width, self.S, self.calibration, self.priors[width])  # fmt: skip
 
     @property
     def _xla(self) -> dict:
@@ -303,6 +322,8 @@ class Engine:
             raise ValueError(f"at most {STOP_WIDTH} stop tokens, got {len(req.stop)}")
         if req.temperature < 0 or not 0 < req.top_p <= 1:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        if req.logprobs is not None and not 0 <= req.logprobs <= lps.MAX_TOP:
+            raise ValueError(f"logprobs must be in [0, {lps.MAX_TOP}], got {req.logprobs}")
 
     def submit(self, req: Request) -> int:
         self.check(req)
@@ -368,9 +389,9 @@ class Engine:
         """The compiled chunk of a pool of `width` slots (`pool_`: such a pool)."""
         tg, ts, dg, ds = self._graphs()
         window = min(self.N, pool.window(plan, self.bounds[width]))
-        return self._program(("chunk", width, plan.greedy), pool.chunk, tg, ts, dg, ds, pool_,
-                             jnp.int32(0), jnp.int32(0), options=self._xla, plan=plan,
-                             width=window)  # fmt: skip
+        key = ("chunk", width, plan.greedy, plan.logprobs)
+        return self._program(key, pool.chunk, tg, ts, dg, ds, pool_, jnp.int32(0), jnp.int32(0),
+                             options=self._xla, plan=plan, width=window)  # fmt: skip
 
     def _drop_cancelled(self) -> list[Update]:
         if not self.cancelled:
@@ -407,31 +428,34 @@ class Engine:
         width = fitting(self.widths, len(live) + len(self._admissible()))
         if width == self.width or not (live or self.waiting):
             return
+        empty = self._maker(width)
         if live:
             rows = jax.device_put(np.asarray(live + [-1] * (width - len(live)), np.int32))
             args = (self._shape(self.width), self._shape(width), rows, self.priors[width])
-            fn = self._program(("resize", self.width, width), resize, *args,
+            fn = self._program(("resize", self.width, width, self.logprobs), resize, *args,
                                axes=self._slot_axes(width), src=self.plan,
-                               dst=self.plans[width])  # fmt: skip
-            self._queue(lambda p: fn(p, self._empty(width), rows, self.priors[width]))
+                               dst=self._layout(width))  # fmt: skip
+            self._queue(lambda p: fn(p, empty(), rows, self.priors[width]))
             self.resizes += 1
         else:
-            self._queue(lambda p: self._empty(width))
+            self._queue(lambda p: empty())
         self.slots = [self.slots[b] for b in live] + [None] * (width - len(live))
         self.width = width
 
     def _slot_axes(self, width: int) -> tuple:
-        if width not in self._axes:
-            self._axes[width] = batch_axes(lambda n: pool.empty(
-                self.target, self.drafter, self.plans[width], n, self.S, self.calibration,
+        key = (width, self.logprobs)
+        if key not in self._axes:
+            self._axes[key] = batch_axes(lambda n: pool.empty(
+                self.target, self.drafter, self._layout(width), n, self.S, self.calibration,
                 self.priors[width]))  # fmt: skip
-        return self._axes[width]
+        return self._axes[key]
 
     def warm(self, modes: tuple[bool, ...] = (True, False), progress=None,
              threads: int | None = None) -> int:  # fmt: skip
         """Compile every program the pool can meet, ahead of the first request (a server
         calls it before it answers /health): for each greedy mode of `modes`, each width's
-        chunk and prefill (per rows bucket), and the resize between every pair of widths.
+        chunk and prefill (per rows bucket), and the resize between every pair of widths,
+        all without log-probabilities (a pool recording them compiles at its first use).
         `threads` compile at once (default: up to 8, one per two cores; XLA's compiles are
         mostly one thread each), over the pools' shapes alone (no pool is allocated).
         progress(done, total), if given, is called after each. Returns the programs
@@ -440,7 +464,7 @@ class Engine:
         jobs = []
         for greedy in modes:
             for w in self.widths:
-                plan = dataclasses.replace(self.plans[w], greedy=greedy)
+                plan = dataclasses.replace(self._layout(w), greedy=greedy)
                 jobs.append(("chunk", w, plan))
                 jobs += [("prefill", w, plan, a) for a in self._row_buckets(w)]
         jobs += [("resize", a, b) for a in self.widths for b in self.widths if a != b]
@@ -463,8 +487,8 @@ class Engine:
                 _, a, b = job
                 src = empty(a)
                 args = (src, empty(b), jnp.zeros((b,), jnp.int32), self.priors[b])
-                get(resize, *args, axes=self._slot_axes(b), src=self.plans[a],
-                    dst=self.plans[b])  # fmt: skip
+                get(resize, *args, axes=self._slot_axes(b), src=self._layout(a),
+                    dst=self._layout(b))  # fmt: skip
 
         threads = threads or max(1, min(8, (os.cpu_count() or 2) // 2))
         with concurrent.futures.ThreadPoolExecutor(threads) as ex:
@@ -501,6 +525,10 @@ class Engine:
         tokens at a time (one program per (width, rows), whatever the prompts' lengths)."""
         mode = mode_of(take[0])
         self.greedy = mode.greedy
+        if mode.logprobs != self.logprobs:  # no slot is live: a pool with(out) the record
+            self.logprobs = mode.logprobs
+            empty = self._maker(self.width)
+            self._queue(lambda p: empty())
         W, C = self.width, self.C
         A = fitting(self._row_buckets(W), len(take))
         chunks = -(-max(len(r.tokens) for r in take) // C)
@@ -512,9 +540,9 @@ class Engine:
         tg, ts, dg, ds = self._graphs()
         for c in range(chunks):
             new = jax.device_put(pool.prompt_chunk(rows, c, C, W))  # one transfer per chunk
-            fn = self._program(("prefill", W, A, plan.greedy), pool.prefill, tg, ts, dg, ds,
-                               self._shape(W), new, self.priors[W], options=self._xla,
-                               plan=plan)  # fmt: skip
+            key = ("prefill", W, A, plan.greedy, plan.logprobs)
+            fn = self._program(key, pool.prefill, tg, ts, dg, ds, self._shape(W), new,
+                               self.priors[W], options=self._xla, plan=plan)  # fmt: skip
             last = np.asarray(free[: len(take)], np.int32) if c == chunks - 1 else None
             joined = self._queue(_prefill_chunk, fn, ts, ds, new, self.priors[W], last)
             self.stats.prefills += 1
@@ -528,14 +556,17 @@ class Engine:
         while self.newcomers and self.newcomers[0].before <= chunk:
             came = self.newcomers.popleft()
             t0 = time.perf_counter()
-            first = np.asarray(came.joined.result().first)
+            joined = came.joined.result()
+            first = np.asarray(joined.first)
+            record = jax.tree.map(np.asarray, joined.logprobs)  # [newcomers, 1] or None
             self.stats.wait_s += time.perf_counter() - t0
             ended = set()
-            for r, token in zip(came.requests, first.tolist()):
+            for i, (r, token) in enumerate(zip(came.requests, first.tolist())):
                 if self.sent.get(r.id) == 0:  # still running, nothing of it handed out
                     self.sent[r.id] = 1
                     done = r.max_new <= 1 or token in r.stop  # as the prefill decided
-                    updates.append(Update(r.id, [token], done, 0))
+                    mine = None if r.logprobs is None else lps.rows(record, i, 0, 1, r.logprobs)
+                    updates.append(Update(r.id, [token], done, 0, mine))
                     if done:  # its row rides along done in the chunks already queued
                         ended.add(r.id)
                         del self.sent[r.id], self.steps[r.id]
@@ -547,6 +578,7 @@ class Engine:
         t0 = time.perf_counter()
         report = flight.ran.result().report
         start, tokens, n, done, steps = (np.asarray(x) for x in report[:5])
+        logprobs = jax.tree.map(np.asarray, report.logprobs)  # None: the pool records none
         self.stats.wait_s += time.perf_counter() - t0
         if report.tally is not None:
             self.stats.tally(flight.width, flight.choices, np.asarray(report.tally))
@@ -559,10 +591,13 @@ class Engine:
                 raise RuntimeError(f"chunk report of row {b} holds tokens {start[b]}.."
                                    f"{start[b] + tokens.shape[1]}, not {sent}..{end}")  # fmt: skip
             new = tokens[b, sent:end].tolist()
+            record = None
+            if r.logprobs is not None:
+                record = lps.rows(logprobs, b, sent, end, r.logprobs)
             self.stats.tokens += len(new)
             self.sent[r.id], self.steps[r.id] = int(n[b]), int(steps[b])
             if new or done[b]:
-                updates.append(Update(r.id, new, bool(done[b]), int(steps[b])))
+                updates.append(Update(r.id, new, bool(done[b]), int(steps[b]), record))
             if done[b]:
                 finished.add(r.id)
                 del self.sent[r.id], self.steps[r.id]
@@ -581,9 +616,8 @@ class Ran(NamedTuple):
 def _run_chunk(pool_: pool.Pool, fn, ts, ds, bound, wake) -> Ran:
     """On the device thread: one chunk, its report's copies to the host started at once."""
     pool_, report = fn(ts, ds, pool_, bound, wake)
-    for x in report:  # the host reads them a chunk later
-        if x is not None:
-            x.copy_to_host_async()
+    for x in jax.tree.leaves(report):  # the host reads them a chunk later
+        x.copy_to_host_async()
     return Ran(pool_, report)
 
 
@@ -610,6 +644,7 @@ class Joined(NamedTuple):
 
     pool: pool.Pool
     first: jax.Array  # [newcomers] int32
+    logprobs: lps.Logprobs | None  # [newcomers, 1] the first tokens', when the pool records
 
 
 class Newcomers(NamedTuple):
@@ -627,6 +662,9 @@ def _prefill_chunk(pool_: pool.Pool, fn, ts, ds, new, prior, rows):
     pool_ = fn(ts, ds, pool_, new, prior)
     if rows is None:
         return pool_
-    first = pool_.state.out[rows, 0]
-    first.copy_to_host_async()
-    return Joined(pool_, first)
+    state = pool_.state
+    joined = Joined(pool_, state.out[rows, 0],
+                    jax.tree.map(lambda x: x[rows, :1], state.logprobs))  # fmt: skip
+    for x in jax.tree.leaves((joined.first, joined.logprobs)):
+        x.copy_to_host_async()
+    return joined

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kdj.decode import auto
+from kdj.decode import logprobs as lps
 from kdj.decode import tree as trees
 from kdj.decode.sampling import position_keys, sample
 from kdj.decode.state import DecodeState, Plan, Prefilled, init_state
@@ -39,13 +40,16 @@ scope = jax.named_scope
 
 
 @functools.partial(
-    jax.jit, static_argnames=("tgraph", "dgraph", "greedy"), donate_argnames=("tcache", "dcache")
+    jax.jit,
+    static_argnames=("tgraph", "dgraph", "greedy", "logprobs"),
+    donate_argnames=("tcache", "dcache"),
 )
 def prefill(tgraph, tstate, dgraph, dstate, tokens, prompt_lens, tcache, dcache, key, temperature,
-            top_p, *, greedy) -> Prefilled:  # fmt: skip
+            top_p, *, greedy, logprobs=None) -> Prefilled:  # fmt: skip
     """Target pass over the right-padded prompts tokens [B, P] (tapping the drafter's feature
-    layers when there is one, dgraph not None), the first new token, and the drafter's context
-    for every prompt position."""
+    layers when there is one, dgraph not None), the first new token (with its log-probability
+    and `logprobs` alternatives, when not None), and the drafter's context for every prompt
+    position."""
     target = nnx.merge(tgraph, tstate)
     drafter = None if dgraph is None else nnx.merge(dgraph, dstate)
     start = jnp.zeros((tokens.shape[0],), jnp.int32)
@@ -56,7 +60,8 @@ def prefill(tgraph, tstate, dgraph, dstate, tokens, prompt_lens, tcache, dcache,
     first = sample(logits[:, 0], position_keys(key, prompt_lens), temperature, top_p, greedy)
     if drafter is not None:
         dcache = drafter.add_context(features(tapped), start, dcache).with_lengths(prompt_lens)
-    return Prefilled(first, tcache.with_lengths(prompt_lens), dcache)
+    record = None if logprobs is None else lps.of(logits[:, 0], first, logprobs)
+    return Prefilled(first, tcache.with_lengths(prompt_lens), dcache, record)
 
 
 @functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "plan"), donate_argnames=("pre",))
@@ -87,7 +92,7 @@ def body(target, drafter, plan: Plan, going=None):
 
         def step(s):
             with scope("plain_step"):
-                return plain_step(target, s, plan.greedy)
+                return plain_step(target, s, plan.greedy, logprobs=plan.logprobs)
 
         return step
     if not plan.adaptive:
@@ -110,7 +115,7 @@ def check(shape, target, taps, plan, dist, full, tcache, last, limit, key, tempe
         verified = verify(target, tcache, last, tree, taps)
     with scope("accept"):
         acc = accept(tree, verified, limit, key, temperature, top_p, block_size=plan.block_size,
-                     greedy=plan.greedy)  # fmt: skip
+                     greedy=plan.greedy, logprobs=plan.logprobs)  # fmt: skip
     return verified.tcache, acc
 
 
@@ -153,7 +158,8 @@ def skip_step(target, drafter, state: DecodeState, plan: Plan) -> DecodeState:
     """auto's plain step: the drafter is skipped; its features are queued."""
     i, active = state.step, state.active
     with scope("plain_step"):
-        state = plain_step(target, state, plan.greedy, drafter.cfg.target_layer_ids)
+        state = plain_step(target, state, plan.greedy, drafter.cfg.target_layer_ids,
+                           plan.logprobs)  # fmt: skip
     ones = active.astype(jnp.int32)
     stats = state.stats.record(i, ones, 0, len(plan.menu), active.astype(jnp.float32))
     return dataclasses.replace(state, stats=stats, auto=auto.skipped(state.auto))

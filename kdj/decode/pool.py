@@ -38,6 +38,7 @@ from flax import nnx
 
 from kdj.cache import KVCache, init_cache
 from kdj.decode import auto, loop
+from kdj.decode import logprobs as lps
 from kdj.decode.sampling import position_keys, request_keys, sample
 from kdj.decode.state import DecodeState, Plan, Prefilled, init_state, is_stop
 from kdj.decode.step import features
@@ -58,7 +59,8 @@ def empty(target, drafter, plan: Plan, B: int, S: int, calibration=1.0, prior=No
         return jnp.zeros((B,), jnp.int32)
 
     dcache = None if drafter is None else init_cache(drafter.cfg.layers, B, S, target.dtype)
-    pre = Prefilled(zeros(), init_cache(target.cfg, B, S, target.dtype), dcache)
+    record = None if plan.logprobs is None else lps.empty((B,), plan.logprobs)
+    pre = Prefilled(zeros(), init_cache(target.cfg, B, S, target.dtype), dcache, record)
     width = 0 if drafter is None else target.cfg.hidden_size * len(drafter.cfg.target_layer_ids)
     state = init_state(pre, zeros(), jnp.full((B, STOP_WIDTH), -1, jnp.int32),
                        request_keys(np.zeros(B, np.uint32), shared=True),
@@ -79,6 +81,7 @@ class Report(NamedTuple):
     # [len(menu) + 1, 2] int32 this chunk's steps and committed tokens per choice (index
     # len(menu): a plain step); None for plain decoding
     tally: jax.Array | None
+    logprobs: lps.Logprobs | None = None  # [B, window] beside tokens, when the plan asks
 
 
 def window(plan: Plan, bound: int) -> int:
@@ -120,7 +123,8 @@ def chunk(tgraph, tstate, dgraph, dstate, pool: Pool, bound, wake, *, plan: Plan
     at = jnp.minimum(start[:, None] + jnp.arange(width), state.out.shape[1] - 1)
     tokens = jnp.take_along_axis(state.out, at, axis=1)
     tally = None if state.stats is None else state.stats.tally - entry.stats.tally
-    return Pool(state, steps), Report(start, tokens, state.n, state.done, steps, tally)
+    record = None if state.logprobs is None else state.logprobs.take(at)
+    return Pool(state, steps), Report(start, tokens, state.n, state.done, steps, tally, record)
 
 
 class Admission(NamedTuple):
@@ -228,6 +232,10 @@ def prefill(tgraph, tstate, dgraph, dstate, pool: Pool, new: Admission, prior, *
         temperature=set_(state.temperature, new.temps), key=set_(state.key, keys),
         top_p=new.top_p,
     )  # fmt: skip
+    if plan.logprobs is not None:  # the rows' records start with the first token's
+        record = lps.empty((A, N), plan.logprobs)
+        record = record.put((slice(None), 0), lps.of(logits[:, 0], first, plan.logprobs))
+        state = dataclasses.replace(state, logprobs=state.logprobs.put(slots, record))
     if drafter is not None:  # the rows' queues start empty, as after a prefill alone
         state = dataclasses.replace(
             state, dcache=state.dcache.with_lengths(set_(state.dcache.lengths, new.lens)),

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 from kdj.cache import KVCache
 from kdj.cost import StepCost
 from kdj.decode import auto
+from kdj.decode import logprobs as lps
+from kdj.decode.logprobs import Logprobs
 from kdj.decode.tree import DraftShape
 
 
@@ -34,6 +36,9 @@ class Plan:
     menu: tuple[DraftShape, ...] = ()
     cost: StepCost | None = None
     forecast: bool = False  # record the drafter's forecast in a fixed method too (calibration)
+    # None: no log-probabilities; k: each emitted token's and its k most likely alternatives'
+    # (kdj/decode/logprobs.py), so a run without them compiles the program it always did
+    logprobs: int | None = None
 
     @property
     def speculative(self) -> bool:
@@ -105,13 +110,14 @@ class DecodeState:
     step: jax.Array  # [] int32 steps taken
     stats: Stats | None  # None for plain decoding (tau is 1 every step)
     auto: auto.Controller | None  # method="auto"'s controller state (None: fixed methods)
+    logprobs: Logprobs | None = None  # [B, N] beside `out` when the plan asks for them
 
     @property
     def active(self):
         return ~self.done
 
     def output(self) -> LoopOutput:
-        return LoopOutput(self.out, self.n, self.step, self.stats)
+        return LoopOutput(self.out, self.n, self.step, self.stats, self.logprobs)
 
 
 class Prefilled(NamedTuple):
@@ -120,6 +126,7 @@ class Prefilled(NamedTuple):
     first: jax.Array  # [B] int32 the first new token
     tcache: KVCache
     dcache: KVCache | None
+    logprobs: Logprobs | None = None  # [B] the first token's, when the plan asks for them
 
 
 class LoopOutput(NamedTuple):
@@ -129,6 +136,7 @@ class LoopOutput(NamedTuple):
     n_out: jax.Array  # [B] int32 valid tokens of each row of out
     steps: jax.Array  # [] int32
     stats: Stats | None
+    logprobs: Logprobs | None = None  # [B, max_steps] beside out, when the plan asks
 
 
 def is_stop(tokens, stop_ids):
@@ -153,10 +161,13 @@ def init_state(pre: Prefilled, max_new, stop_ids, key, temperature, top_p, calib
                       jnp.zeros((len(plan.menu) + 1, 2), jnp.int32))  # fmt: skip
     if plan.adaptive:
         ctrl = auto.init_controller(plan, prior, pre.tcache.lengths, ~done)
+    record = None
+    if plan.logprobs is not None:
+        record = lps.empty((B, N), plan.logprobs).put((slice(None), 0), pre.logprobs)
     return DecodeState(
         tcache=pre.tcache, dcache=pre.dcache, last=pre.first, pending=pending, n_pend=n_pend,
         out=jnp.zeros((B, N), jnp.int32).at[:, 0].set(pre.first), n=n, done=done,
         max_new=max_new, stop_ids=stop_ids, key=key, temperature=jnp.float32(temperature),
         top_p=jnp.float32(top_p), calibration=jnp.float32(calibration), step=jnp.int32(0),
-        stats=stats, auto=ctrl,
+        stats=stats, auto=ctrl, logprobs=record,
     )  # fmt: skip

@@ -19,7 +19,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kdj.decode import logprobs as lps
 from kdj.decode import tree as trees
+from kdj.decode.logprobs import Logprobs
 from kdj.decode.sampling import perturbed, position_keys, sample
 from kdj.decode.state import DecodeState, is_stop
 
@@ -45,6 +47,7 @@ class Accepted(NamedTuple):
     tokens: jax.Array  # [B, k - 1] int32 accepted drafts (valid up to a)
     features: jax.Array | None  # [B, k, F] features of root + accepted nodes
     size: jax.Array  # [B] int32 nodes verified
+    logprobs: Logprobs | None = None  # [B, k] of emitted(), when the plan asks for them
 
 
 def features(taps):
@@ -61,15 +64,21 @@ def limits(state: DecodeState):
     return jnp.where(state.active, jnp.maximum(room, 0), 0)
 
 
-def plain_step(target, state: DecodeState, greedy: bool, taps=()) -> DecodeState:
+def plain_step(target, state: DecodeState, greedy: bool, taps=(),
+               logprobs: int | None = None) -> DecodeState:  # fmt: skip
     """One token per active sequence. With `taps` (a drafter's feature layers), queue the
-    features of `last` for the drafter's context (taken in by `flush`)."""
+    features of `last` for the drafter's context (taken in by `flush`); with `logprobs` (k),
+    record the token's log-probability and k alternatives."""
     L, active = state.tcache.lengths, state.active
     logits, tcache, tapped = target(state.last[:, None], L, state.tcache, taps=taps)
     keys = position_keys(state.key, L + 1)  # the new token sits at position L + 1
     nxt = sample(logits[:, 0], keys, state.temperature, state.top_p, greedy)
     B, N = state.out.shape
-    out = state.out.at[jnp.arange(B), jnp.where(active, state.n, N)].set(nxt, mode="drop")
+    at = (jnp.arange(B), jnp.where(active, state.n, N))
+    out = state.out.at[at].set(nxt, mode="drop")
+    if logprobs is not None:
+        record = state.logprobs.put(at, lps.of(logits[:, 0], nxt, logprobs))
+        state = dataclasses.replace(state, logprobs=record)
     n = state.n + active
     done = state.done | (active & (is_stop(nxt, state.stop_ids) | (n >= state.max_new)))
     state = dataclasses.replace(
@@ -146,11 +155,12 @@ def verify(target, tcache, last, tree, taps=()) -> Verified:
 
 
 def accept(tree, verified: Verified, limit, keys, temperature, top_p, *, block_size: int,
-           greedy: bool) -> Accepted:  # fmt: skip
+           greedy: bool, logprobs: int | None = None) -> Accepted:  # fmt: skip
     """The longest path along which every node equals the target's own token (argmax or a
     sample: lossless either way), at most `limit` [B] drafts, plus the bonus token. keys [B]:
     each sequence's sampling key; the token after a node at depth d is drawn at position
-    L + d + 1 with its own key, as plain decoding draws it (sampling.py)."""
+    L + d + 1 with its own key, as plain decoding draws it (sampling.py). With `logprobs`
+    (k): each token it emits scored by the raw logits of the node before it."""
     scores = verified.logits
     if not greedy:  # the target's sample at each node is the argmax of its perturbed logits
         depth = jnp.pad(tree["depth"], ((0, 0), (1, 0)))  # the root at depth 0
@@ -164,7 +174,17 @@ def accept(tree, verified: Verified, limit, keys, temperature, top_p, *, block_s
     feats = verified.features
     if feats is not None:
         feats = jnp.take_along_axis(feats, path[:, :, None], axis=1)
-    return Accepted(path, a, bonus, tokens, feats, verified.valid.sum(1))
+    record = None
+    if logprobs is not None:  # the token after path node j came from that node's logits
+        rows = jnp.take_along_axis(verified.logits, path[:, :, None], axis=1)  # [B, k, V]
+        record = lps.of(rows, emitted(tokens, a, bonus, jnp.arange(path.shape[1])), logprobs)
+    return Accepted(path, a, bonus, tokens, feats, verified.valid.sum(1), record)
+
+
+def emitted(tokens, a, bonus, j):
+    """The tokens a step emits [B, k] (valid up to a): the a accepted drafts, then the bonus;
+    tokens [B, k - 1] accepted drafts, j = arange(k)."""
+    return jnp.where(j[None] < a[:, None], jnp.pad(tokens, ((0, 0), (0, 1))), bonus[:, None])
 
 
 def commit(state: DecodeState, tcache, acc: Accepted):
@@ -177,15 +197,16 @@ def commit(state: DecodeState, tcache, acc: Accepted):
     B, N = state.out.shape
     k = acc.path.shape[1]
     j = jnp.arange(k)
-    emitted = jnp.where(
-        j[None] < acc.a[:, None], jnp.pad(acc.tokens, ((0, 0), (0, 1))), acc.bonus[:, None]
-    )
+    tokens = emitted(acc.tokens, acc.a, acc.bonus, j)
     valid = j[None] <= acc.a[:, None]
-    stop_at = valid & jnp.any(emitted[..., None] == state.stop_ids[:, None, :], axis=-1)
+    stop_at = valid & jnp.any(tokens[..., None] == state.stop_ids[:, None, :], axis=-1)
     count = jnp.where(stop_at.any(1), jnp.argmax(stop_at, axis=1) + 1, acc.a + 1)
     count = jnp.where(active, count, 0)
     cols = jnp.where(j[None] < count[:, None], state.n[:, None] + j[None], N)
-    out = state.out.at[jnp.arange(B)[:, None], cols].set(emitted, mode="drop")
+    at = (jnp.arange(B)[:, None], cols)
+    out = state.out.at[at].set(tokens, mode="drop")
+    if acc.logprobs is not None:
+        state = dataclasses.replace(state, logprobs=state.logprobs.put(at, acc.logprobs))
     n = state.n + count
     done = state.done | (active & (stop_at.any(1) | (n >= state.max_new)))
     L_new = jnp.where(active, L + acc.a + 1, L)

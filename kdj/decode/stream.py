@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from kdj.decode.engine import PREFILL_CHUNK, Engine
+from kdj.decode.logprobs import TokenLogprob
 from kdj.decode.requests import Request
 from kdj.decode.tree import DraftShape
 from kdj.handles import Drafter, Target
@@ -23,6 +24,7 @@ class Streamed(NamedTuple):
 
     tokens: list[list[int]]  # generated tokens, ending at the first stop token or the budget
     steps: list[int]  # the pool's steps each took (plain decoding: tokens - 1)
+    logprobs: list[list[TokenLogprob]] | None = None  # one per token, when asked for
 
 
 def generate_stream(target: Target, prompts: list[list[int]], max_batch: int, max_new: list[int],
@@ -31,22 +33,26 @@ def generate_stream(target: Target, prompts: list[list[int]], max_batch: int, ma
                     chunk_steps: int = 32, drafter: Drafter | None = None,
                     block_size: int | None = None, menu: tuple[DraftShape, ...] = (),
                     cost=None, calibration: float = 1.0, widths=None, wake: int = 1,
-                    admit_rows: int = 64,
-                    prefill_chunk: int = PREFILL_CHUNK) -> Streamed:  # fmt: skip
+                    admit_rows: int = 64, prefill_chunk: int = PREFILL_CHUNK,
+                    logprobs: int | None = None) -> Streamed:  # fmt: skip
     """Every prompt (token ids) streamed through a pool of `max_batch` slots (drafting with
     `drafter`, at the ladder `widths`, as `Engine` does). seeds: one per prompt (its
-    samples then do not depend on the other prompts); else each is derived from `seed`."""
+    samples then do not depend on the other prompts); else each is derived from `seed`.
+    logprobs=k: each token's log-probability and k alternatives' too."""
     engine = Engine(target, max_batch, cache_size, max(max_new), drafter=drafter,
                     block_size=block_size, menu=menu, cost=cost, calibration=calibration,
                     chunk_steps=chunk_steps, seed=seed, widths=widths, wake=wake,
                     admit_rows=admit_rows, prefill_chunk=prefill_chunk)  # fmt: skip
     seeds = seeds if seeds is not None else [None] * len(prompts)
-    ids = [engine.submit(Request(list(p), m, list(s), temperature, top_p, seed))
+    ids = [engine.submit(Request(list(p), m, list(s), temperature, top_p, seed, logprobs))
            for p, m, s, seed in zip(prompts, max_new, stop, seeds)]  # fmt: skip
     got: dict[int, list[int]] = {i: [] for i in ids}
+    scored: dict[int, list[TokenLogprob]] = {i: [] for i in ids}
     steps = dict.fromkeys(ids, 0)
     while engine.busy:
         for u in engine.step():
             got[u.id] += u.tokens
+            scored[u.id] += u.logprobs or []
             steps[u.id] = u.steps
-    return Streamed([got[i] for i in ids], [steps[i] for i in ids])
+    record = None if logprobs is None else [scored[i] for i in ids]
+    return Streamed([got[i] for i in ids], [steps[i] for i in ids], record)

@@ -26,7 +26,7 @@ from kdj import api
 from kdj.decode.engine import SERVE_WAKE_SHARE, Engine
 from kdj.decode.requests import Update
 from kdj.decode.widths import ladder
-from kdj.serve.text import MAX_N, Parsed, Served, TextStream, parse
+from kdj.serve.text import MAX_N, Parsed, Scored, Served, TextStream, parse
 from kdj.serve.worker import Overloaded, Ticket, Worker
 
 POLL_S = 0.5  # how often a non-streaming handler checks that its client is still there
@@ -180,8 +180,9 @@ def build_app(worker: Worker, served: Served) -> FastAPI:
                 if i not in choices.running:  # its text ended at a stop string
                     continue
                 delta = reply.feed(i, item)
-                if delta:
-                    yield sse(reply.chunk(i, delta, None, usage=reply.usage_stream))
+                scored = reply.fresh(i)
+                if delta or scored:
+                    yield sse(reply.chunk(i, delta, None, scored, usage=reply.usage_stream))
                 if item.finished or reply.texts[i].stopped:
                     choices.end(i, item.finished)
                     finish = reply.texts[i].finish_reason  # the last chunk carries usage
@@ -239,7 +240,8 @@ class Choices:
 
 class Reply:
     """The response objects of one request (OpenAI's shapes, a choice per engine request),
-    with usage and decode stats summed over the choices."""
+    with usage and decode stats summed over the choices, and the tokens' log-probabilities
+    when the request asked for them."""
 
     def __init__(self, served: Served, parsed: Parsed, chat: bool):
         self.served, self.chat = served, chat
@@ -250,11 +252,30 @@ class Reply:
         self.object = "chat.completion" if chat else "text_completion"
         self.steps = [0] * len(parsed.requests)  # the engine's steps per choice so far
         self.usage_stream = parsed.usage_stream
+        self.logprobs = parsed.requests[0].logprobs is not None
+        self.shown = [0] * len(parsed.requests)  # each choice's scored tokens streamed so far
 
     def feed(self, i: int, update: Update) -> str:
         """The text delta of an engine update to choice i."""
         self.steps[i] = update.steps
-        return self.texts[i].feed(update.tokens, update.finished)
+        return self.texts[i].feed(update.tokens, update.finished, update.logprobs)
+
+    def fresh(self, i: int) -> list[Scored]:
+        """Choice i's scored tokens since the last call (streaming)."""
+        new = self.texts[i].scored[self.shown[i] :]
+        self.shown[i] += len(new)
+        return new
+
+    def _logprobs(self, scored: list[Scored] | None) -> dict | None:
+        """OpenAI's logprobs object of `scored` tokens; None when the request asked for none
+        (or a stream's last chunk, which has no tokens)."""
+        if not self.logprobs or scored is None:
+            return None
+        if self.chat:
+            return {"content": [chat_logprob(s) for s in scored], "refusal": None}
+        return {"tokens": [s.text for s in scored], "token_logprobs": [s.logprob for s in scored],
+                "top_logprobs": [completion_top(s) for s in scored],
+                "text_offset": [s.offset for s in scored]}  # fmt: skip
 
     def usage(self) -> dict:
         counts = [len(t.tokens) for t in self.texts]
@@ -265,26 +286,45 @@ class Reply:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n,
                 "total_tokens": self.prompt_tokens + n, "kdj": stats}  # fmt: skip
 
-    def _choice(self, i: int, text, finish, delta: bool) -> dict:
+    def _choice(self, i: int, text, finish, delta: bool, scored: list[Scored] | None) -> dict:
+        logprobs = self._logprobs(scored)
         if not self.chat:
-            return {"index": i, "text": text, "finish_reason": finish, "logprobs": None}
+            return {"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs}
         key = "delta" if delta else "message"
-        return {"index": i, key: {"role": "assistant", "content": text}, "finish_reason": finish}
+        return {"index": i, key: {"role": "assistant", "content": text}, "finish_reason": finish,
+                "logprobs": logprobs}  # fmt: skip
 
     def whole(self, texts: list[str]) -> dict:
-        choices = [self._choice(i, text, t.finish_reason, delta=False)
+        choices = [self._choice(i, text, t.finish_reason, False, t.scored)
                    for i, (text, t) in enumerate(zip(texts, self.texts))]  # fmt: skip
         return {"id": self.id, "object": self.object, "created": self.created,
                 "model": self.served.model, "choices": choices,
                 "usage": self.usage()}  # fmt: skip
 
-    def chunk(self, i: int, text: str, finish, usage: bool = False) -> dict:
+    def chunk(self, i: int, text: str, finish, scored: list[Scored] | None = None,
+              usage: bool = False) -> dict:  # fmt: skip
         obj = {"id": self.id, "created": self.created, "model": self.served.model,
                "object": "chat.completion.chunk" if self.chat else "text_completion",
-               "choices": [self._choice(i, text, finish, delta=True)]}  # fmt: skip
+               "choices": [self._choice(i, text, finish, True, scored)]}  # fmt: skip
         if usage:
             obj["usage"] = self.usage()
         return obj
+
+
+def chat_logprob(s: Scored) -> dict:
+    """A token of chat's logprobs.content: its text, log-probability, the UTF-8 bytes of its
+    text (a character split across tokens is the last one's), and its alternatives."""
+    top = [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in s.top]
+    return {"token": s.text, "logprob": s.logprob, "bytes": list(s.text.encode()),
+            "top_logprobs": top}  # fmt: skip
+
+
+def completion_top(s: Scored) -> dict:
+    """A token of completions' top_logprobs: {text: log-probability} of its alternatives and
+    of the token itself (OpenAI's up to k + 1 entries)."""
+    top = dict(s.top)
+    top.setdefault(s.text, s.logprob)
+    return top
 
 
 def stream_steps(width: int) -> int:

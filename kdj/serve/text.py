@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
+from kdj.decode.logprobs import MAX_TOP, TokenLogprob
 from kdj.decode.requests import Request
 from kdj.tokenizer import Tokenizer
 
@@ -27,8 +28,9 @@ CHAT_NEUTRAL = {**NEUTRAL, "tools": [], "tool_choice": "none", "functions": [],
                 "function_call": "none", "response_format": {"type": "text"},
                 "store": False}  # fmt: skip
 COMPLETION_NEUTRAL = {**NEUTRAL, "best_of": 1, "echo": False, "suffix": ""}
-# Checked by _logprobs: valid asks are refused until the engine returns log-probabilities.
+# The log-probability fields (_logprobs): chat's flag and alternatives, completions' count.
 LOGPROBS = {True: ("logprobs", "top_logprobs"), False: ("logprobs",)}
+MAX_COMPLETION_LOGPROBS = 5  # completions' alternatives per token at most (OpenAI's bound)
 ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -108,9 +110,14 @@ def _logprobs(body: dict, chat: bool) -> int | None:
         if not isinstance(wanted, bool):
             raise Invalid(f"'logprobs' must be true or false, got {wanted!r}", "logprobs")
         if "top_logprobs" in body:
-            return _integer(body, "top_logprobs", 0, 0, 20)
+            k = _integer(body, "top_logprobs", 0, 0, MAX_TOP)
+            if not wanted:
+                raise Invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+            return k
         return 0 if wanted else None
-    return _integer(body, "logprobs", 0, 0, 5) if "logprobs" in body else None
+    if "logprobs" not in body:
+        return None
+    return _integer(body, "logprobs", 0, 0, MAX_COMPLETION_LOGPROBS)
 
 
 def _content(m: dict, i: int) -> str:
@@ -178,10 +185,7 @@ def parse(body: Any, served: Served, chat: bool) -> Parsed:
         raise Invalid("the body must be a JSON object")
     _check_fields(body, chat)
     body = {k: v for k, v in body.items() if v is not None}  # null: the default, as OpenAI
-    if _logprobs(body, chat) is not None:  # the engine computes no log-probabilities yet
-        raise Invalid("kdj does not return log-probabilities yet: leave out 'logprobs'"
-                      + (" and 'top_logprobs'" if chat else ""), "logprobs",
-                      "unsupported_parameter")  # fmt: skip
+    logprobs = _logprobs(body, chat)
     model = body.get("model", served.model)
     if model != served.model:
         raise Invalid(f"unknown model {model!r}; this server serves {served.model!r}", "model",
@@ -223,14 +227,25 @@ def parse(body: Any, served: Served, chat: bool) -> Parsed:
     max_new = _max_tokens(body, served)
     temperature = _number(body, "temperature", served.temperature, 0.0, 100.0)
     top_p = _number(body, "top_p", served.top_p, 0.0, 1.0, lo_open=True)
-    requests = tuple(Request(list(tokens), max_new, list(served.stop_ids), temperature, top_p, s)
-                     for s in _seeds(seed, n))  # fmt: skip
+    requests = tuple(Request(list(tokens), max_new, list(served.stop_ids), temperature, top_p, s,
+                             logprobs) for s in _seeds(seed, n))  # fmt: skip
     return Parsed(requests, stream, tuple(stop), options.get("continuous_usage_stats", False))
+
+
+class Scored(NamedTuple):
+    """A token of the reply with its log-probabilities, as the reply shows it."""
+
+    text: str  # what it adds to the text (a character split across tokens: the last one's)
+    offset: int  # where that text starts in the reply's text
+    logprob: float
+    top: list[tuple[str, float]]  # the alternatives' texts in the same place, most likely first
 
 
 class TextStream:
     """Tokens in, text deltas out: end-of-turn ids left out, stop strings cut, and text that
-    may still become a stop string or an incomplete UTF-8 character held back.
+    may still become a stop string or an incomplete UTF-8 character held back. Fed tokens'
+    log-probabilities, it also gives each token's `Scored` once the text it begins in is out
+    (`scored`): the tokens whose text starts before a stop string, end-of-turn ids left out.
 
     Decoding is incremental: each feed decodes only the ids since the last complete text,
     after a few ids of context (a tokenizer's decoder may treat a leading token specially),
@@ -246,6 +261,9 @@ class TextStream:
         self.text = ""
         self.sent = ""
         self.stopped = False  # a stop string or an end-of-turn id ended the text
+        self.scored: list[Scored] = []  # the tokens whose text is out
+        self._held: list[Scored] = []  # and those whose text is not yet
+        self._end = 0  # where the next scored token's text starts
 
     def _decoded(self) -> str:
         """The text of all ids; `text` / `done` advance when it ends in a whole character."""
@@ -261,12 +279,35 @@ class TextStream:
             self.text, self.done = full, len(self.ids)
         return full
 
-    def feed(self, tokens: list[int], final: bool) -> str:
+    def _score(self, token: int, logprob: TokenLogprob) -> None:
+        """Append `token` to ids, held with its text, offset and alternatives."""
+        decode = self.served.tokenizer.decode
+        context = self.ids[max(0, len(self.ids) - self.CONTEXT) :]
+        head = decode(context).rstrip("\ufffd")  # complete characters only, as `text`
+
+        def added(t: int) -> str:  # the complete characters token t adds after the context
+            text = decode(context + [t]).rstrip("\ufffd")
+            return text[len(head) :] if text.startswith(head) else ""
+
+        own = added(token)
+        top = [(added(t), v) for t, v in logprob.top]
+        self._held.append(Scored(own, self._end, logprob.logprob, top))
+        self._end += len(own)
+        self.ids.append(token)
+
+    def feed(self, tokens: list[int], final: bool,
+             logprobs: list[TokenLogprob] | None = None) -> str:  # fmt: skip
+        """The text delta of `tokens` (with their log-probabilities, when given)."""
         self.tokens += tokens
         stop_ids = self.served.stop_ids
         if any(t in stop_ids for t in tokens):
             self.stopped = True
-        self.ids += [t for t in tokens if t not in stop_ids]
+        if logprobs is None:
+            self.ids += [t for t in tokens if t not in stop_ids]
+        else:
+            for t, lp in zip(tokens, logprobs, strict=True):
+                if t not in stop_ids:
+                    self._score(t, lp)
         text = self._decoded()
         # an earlier text held no stop string: only a match reaching past it is new
         cuts = [
@@ -280,6 +321,9 @@ class TextStream:
             text = text.rstrip("\ufffd")
         delta = text[len(self.sent) :] if text.startswith(self.sent) else ""
         self.sent += delta
+        out = [s for s in self._held if s.offset < len(self.sent) or (final and not cuts)]
+        self.scored += out
+        self._held = self._held[len(out) :]
         return delta
 
     @property
