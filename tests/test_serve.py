@@ -94,7 +94,7 @@ def test_the_host_queues_admission_and_the_next_chunk_while_the_device_runs(targ
     engine = Engine(target, max_batch=4, cache_size=64, max_new_cap=6, widths=(4,))
     gate = threading.Event()
     engine.submit(Request(prompts[0], 6, []))
-    engine._device.submit(gate.wait)  # the device is busy until the gate opens
+    engine.device.hold(gate)  # the device is busy until the gate opens
     assert engine.step() == []  # chunk 0 queued behind the gate; its report is read later
     engine.submit(Request(prompts[1], 6, []))
     got = []

@@ -16,12 +16,11 @@
 The host runs one chunk behind the device (`lookahead`): it queues chunk k+1 (and any
 admission's prefill before it) and only then reads chunk k's report, so the device works
 through the host's turn instead of waiting for it. The pool lives on the engine's own device
-thread: every program that reads or writes it (a chunk, a prefill, a resize, freeing slots)
-is queued there in order, and the host only waits for reports. On a GPU a chunk's call
-returns only when its while_loop has finished (XLA reads each iteration's predicate back to
-the host), so a host that touched the pool itself would wait for the whole chunk before it
-could admit anyone. A slot that finished in chunk k is seen (and refilled) one chunk late;
-that costs the slot a chunk, not the pool a host turn.
+thread (kdj/decode/device.py): every program that reads or writes it (a chunk, a prefill,
+a resize, freeing slots) is queued there in order, and the host only waits for reports (a
+host that touched the pool itself would wait for the whole chunk before it could admit). A
+slot that finished in chunk k is seen (and refilled) one chunk late; that costs the slot a
+chunk, not the pool a host turn.
 
 Finished and free slots ride along without advancing (`done`), as in kdj/decode/loop.py.
 Since a step computes every row of its compiled width, the pool runs at the smallest width
@@ -57,8 +56,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdj import arguments
-from kdj.decode import auto, pool
+from kdj.decode import auto, device, pool
 from kdj.decode import logprobs as lps
+from kdj.decode.device import DeviceQueue
 from kdj.decode.pool import STOP_WIDTH
 from kdj.decode.requests import Request, Update, mode_of
 from kdj.decode.state import Plan
@@ -165,10 +165,7 @@ class Engine:
         self.stats = TurnStats()
         self._shapes: dict[int, pool.Pool] = {}  # each width's pool as shapes (programs' keys)
         self._programs: dict[tuple, object] = {}  # (kind, width, ...) -> its compiled program
-        # the device thread's own: the pool, and the error that broke its queue (if any)
-        self._pool = self._empty(self.width)
-        self._broken: BaseException | None = None
-        self._device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kdj-device")
+        self.device = DeviceQueue(self._empty(self.width))  # the pool, on its own thread
 
     def _drafting_plans(self, drafter, block_size, menu, cost) -> None:
         """Each width's Plan and priors: `menu` and `cost` one for every width, or one per
@@ -200,34 +197,12 @@ class Engine:
     @property
     def pool(self) -> pool.Pool:
         """The pool's device state once everything queued has run (tests, inspection)."""
-        return self._device.submit(lambda: self._pool).result()
+        return self.device.read()
 
     @pool.setter
     def pool(self, value: pool.Pool) -> None:
-        """Replace the pool after everything queued; a queue broken by a failed program
-        serves again from here."""
-        self._device.submit(self._restart, value)
-
-    def _queue(self, fn, *args) -> concurrent.futures.Future:
-        """Run `fn(pool, *args)` on the device thread after everything queued before it. It
-        returns the new pool, or a Ran (the pool and a report). Once one program raised,
-        each later one raises too until the pool is replaced (`reset`): none runs on the
-        state of a program that failed halfway."""
-        return self._device.submit(self._apply, fn, *args)
-
-    def _apply(self, fn, *args):
-        if self._broken is not None:
-            raise RuntimeError(f"an earlier pool program failed: {self._broken}")
-        try:
-            out = fn(self._pool, *args)
-        except BaseException as e:
-            self._broken = e
-            raise
-        self._pool = out if isinstance(out, pool.Pool) else out.pool  # a Ran, an Admitted
-        return out
-
-    def _restart(self, value: pool.Pool) -> None:
-        self._pool, self._broken = value, None
+        """Replace the pool after everything queued (a failed program's queue serves again)."""
+        self.device.restart(value)
 
     def _shape(self, width: int) -> pool.Pool:
         """The pool of `width` slots as shapes on the device: what a program is looked up by."""
@@ -372,7 +347,7 @@ class Engine:
             wake = max(self.wake, math.ceil(self.wake_share * live))
             _, ts, _, ds = self._graphs()
             bound = np.int32(self.bounds[self.width])
-            ran = self._queue(_run_chunk, fn, ts, ds, bound, np.int32(wake))
+            ran = self.device.queue(device.run_chunk, fn, ts, ds, bound, np.int32(wake))
             choices = (*map(str, self.plans[self.width].menu), "plain")
             chunk = self.stats.chunks
             self.inflight.append(InFlight(ran, list(self.slots), self.width, choices, chunk))
@@ -400,7 +375,7 @@ class Engine:
         self.waiting = collections.deque(r for r in self.waiting if r.id not in self.cancelled)
         freed = [b for b, r in enumerate(self.slots) if r is not None and r.id in self.cancelled]
         if freed:
-            self._queue(_free, np.asarray(freed, np.int32))
+            self.device.queue(device.free, np.asarray(freed, np.int32))
         updates = dropped
         for b in freed:  # their steps as of the last report: the device is not waited for
             rid = self.slots[b].id
@@ -435,10 +410,10 @@ class Engine:
             fn = self._program(("resize", self.width, width, self.logprobs), resize, *args,
                                axes=self._slot_axes(width), src=self.plan,
                                dst=self._layout(width))  # fmt: skip
-            self._queue(lambda p: fn(p, empty(), rows, self.priors[width]))
+            self.device.queue(lambda p: fn(p, empty(), rows, self.priors[width]))
             self.resizes += 1
         else:
-            self._queue(lambda p: empty())
+            self.device.queue(lambda p: empty())
         self.slots = [self.slots[b] for b in live] + [None] * (width - len(live))
         self.width = width
 
@@ -528,7 +503,7 @@ class Engine:
         if mode.logprobs != self.logprobs:  # no slot is live: a pool with(out) the record
             self.logprobs = mode.logprobs
             empty = self._maker(self.width)
-            self._queue(lambda p: empty())
+            self.device.queue(lambda p: empty())
         W, C = self.width, self.C
         A = fitting(self._row_buckets(W), len(take))
         chunks = -(-max(len(r.tokens) for r in take) // C)
@@ -544,7 +519,7 @@ class Engine:
             fn = self._program(key, pool.prefill, tg, ts, dg, ds, self._shape(W), new,
                                self.priors[W], options=self._xla, plan=plan)  # fmt: skip
             last = np.asarray(free[: len(take)], np.int32) if c == chunks - 1 else None
-            joined = self._queue(_prefill_chunk, fn, ts, ds, new, self.priors[W], last)
+            joined = self.device.queue(device.prefill_chunk, fn, ts, ds, new, self.priors[W], last)
             self.stats.prefills += 1
         # the chunk queued next is the first they run in: their first tokens come before it
         self.newcomers.append(Newcomers(joined, take, self.stats.chunks))
@@ -557,17 +532,16 @@ class Engine:
             came = self.newcomers.popleft()
             t0 = time.perf_counter()
             joined = came.joined.result()
-            first = np.asarray(joined.first)
+            first, done = np.asarray(joined.first), np.asarray(joined.done)
             record = jax.tree.map(np.asarray, joined.logprobs)  # [newcomers, 1] or None
             self.stats.wait_s += time.perf_counter() - t0
             ended = set()
             for i, (r, token) in enumerate(zip(came.requests, first.tolist())):
                 if self.sent.get(r.id) == 0:  # still running, nothing of it handed out
                     self.sent[r.id] = 1
-                    done = r.max_new <= 1 or token in r.stop  # as the prefill decided
                     mine = None if r.logprobs is None else lps.rows(record, i, 0, 1, r.logprobs)
-                    updates.append(Update(r.id, [token], done, 0, mine))
-                    if done:  # its row rides along done in the chunks already queued
+                    updates.append(Update(r.id, [token], bool(done[i]), 0, mine))
+                    if done[i]:  # its row rides along done in the chunks already queued
                         ended.add(r.id)
                         del self.sent[r.id], self.steps[r.id]
             self.slots = [None if r is not None and r.id in ended else r for r in self.slots]
@@ -606,65 +580,20 @@ class Engine:
         return updates
 
 
-class Ran(NamedTuple):
-    """What a chunk's program gave back: the pool after it, and its report."""
-
-    pool: pool.Pool
-    report: pool.Report
-
-
-def _run_chunk(pool_: pool.Pool, fn, ts, ds, bound, wake) -> Ran:
-    """On the device thread: one chunk, its report's copies to the host started at once."""
-    pool_, report = fn(ts, ds, pool_, bound, wake)
-    for x in jax.tree.leaves(report):  # the host reads them a chunk later
-        x.copy_to_host_async()
-    return Ran(pool_, report)
-
-
-def _free(pool_: pool.Pool, rows: np.ndarray) -> pool.Pool:
-    """On the device thread: `rows` ride along as done from the next chunk on (cancelled)."""
-    state = pool_.state
-    done = state.done.at[rows].set(True)
-    return pool_._replace(state=dataclasses.replace(state, done=done))
-
-
 class InFlight(NamedTuple):
     """A dispatched chunk: what it gives back (once run) and the request each row held."""
 
-    ran: concurrent.futures.Future  # of a Ran
+    ran: concurrent.futures.Future  # of a device.Ran
     rows: list[Request | None]
     width: int
     choices: tuple[str, ...]  # the names of the report's tally rows
     chunk: int  # its place among the engine's chunks (0, 1, ...)
 
 
-class Joined(NamedTuple):
-    """What an admission's last prefill call gives back: the pool, and the newcomers' first
-    tokens (their copy to the host under way)."""
-
-    pool: pool.Pool
-    first: jax.Array  # [newcomers] int32
-    logprobs: lps.Logprobs | None  # [newcomers, 1] the first tokens', when the pool records
-
-
 class Newcomers(NamedTuple):
     """Requests admitted together, whose first tokens the host hands out before chunk
     `before` (the first they run in)."""
 
-    joined: concurrent.futures.Future  # of a Joined
+    joined: concurrent.futures.Future  # of a device.Joined
     requests: list[Request]
     before: int
-
-
-def _prefill_chunk(pool_: pool.Pool, fn, ts, ds, new, prior, rows):
-    """On the device thread: one prefill call; after an admission's last (rows: its pool
-    rows), a Joined with the newcomers' first tokens."""
-    pool_ = fn(ts, ds, pool_, new, prior)
-    if rows is None:
-        return pool_
-    state = pool_.state
-    joined = Joined(pool_, state.out[rows, 0],
-                    jax.tree.map(lambda x: x[rows, :1], state.logprobs))  # fmt: skip
-    for x in jax.tree.leaves((joined.first, joined.logprobs)):
-        x.copy_to_host_async()
-    return joined
