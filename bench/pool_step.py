@@ -25,15 +25,23 @@ from kdj.decode.engine import Engine
 from kdj.decode.requests import Request
 
 
-def engine_for(method: str, target, drafter, args) -> Engine:
-    kw = dict(widths=(args.width,), chunk_steps=args.chunk_steps, lookahead=0)
+def menu_of(method: str, block: int):
+    """The draft shapes a method verifies (None: AR); SystemExit naming a method it is not."""
     if method == "ar":
-        return Engine(target, args.width, args.slots, args.new, **kw)
+        return None
     if method.startswith("auto:"):
-        menu = auto.parse_menu("auto", method[5:].split(","), args.block, None)
-    else:
-        menu = auto.parse_menu(method.rstrip("0123456789"), None, args.block,
-                               int(method[len("ddtree"):] or 0) or None)  # fmt: skip
+        return auto.parse_menu("auto", method[5:].split(","), block, None)
+    if method == "dflash":
+        return auto.parse_menu("dflash", None, block, None)
+    if method.startswith("ddtree") and method[6:].isdigit():
+        return auto.parse_menu("ddtree", None, block, int(method[6:]))
+    raise SystemExit(f"--methods: {method!r} is not ar, dflash, ddtreeN or auto:ENTRY,...")
+
+
+def engine_for(menu, target, drafter, args) -> Engine:
+    kw = dict(widths=(args.width,), chunk_steps=args.chunk_steps, lookahead=0)
+    if menu is None:
+        return Engine(target, args.width, args.slots, args.new, **kw)
     return Engine(target, args.width, args.slots, args.new, drafter=drafter, menu=menu, **kw)
 
 
@@ -67,13 +75,14 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> dict:
     args = parser().parse_args(argv)
+    menus = {method: menu_of(method, args.block) for method in args.methods}  # before loading
     target = harness.random_target(args.model, args.layers, args.dtype)
     dcfg = harness.drafter_config(target.cfg, args.model, block_size=args.block)
     drafter = harness.random_drafter(dcfg, args.dtype)
     prompts = harness.random_prompts(target.cfg.vocab_size - 1, args.width, args.prompt)
     rows = {}
     for method in args.methods:
-        engine = engine_for(method, target, drafter, args)
+        engine = engine_for(menus[method], target, drafter, args)
         engine.warm(modes=(True,))
         one_pass(engine, prompts, args.new)  # first touch of every program
         runs = [one_pass(engine, prompts, args.new) for _ in range(args.repeats)]

@@ -240,6 +240,8 @@ def test_pool_step_smoke(tmp_path, tiny):
     assert rows["auto:chain2,tree3"]["menu"] == ["chain2", "tree3"]
     assert set(rows["auto:chain2,tree3"]["choices"]) <= {"chain2", "tree3"}
     assert sum(rows["ddtree3"]["choices"].values()) > 0
+    with pytest.raises(SystemExit, match="'tree3' is not ar, dflash, ddtreeN"):
+        bench.main([*argv[:-6], "--methods", "tree3"])
 
 
 def test_fixed_tiles_smoke(tmp_path, tiny):
