@@ -17,12 +17,13 @@ with a 400 and counted as an error, not measured). Reported per config, workload
 concurrency: aggregate and per-user tokens/s, TTFT, ITL and TPOT (p50 / p99), errors, and
 where the server's host time went.
 
---ceiling W...: after the servers, in this process, each config runs exactly the requests of
-the W-client level (same prompts, chat template, lengths, stop tokens and slot size) twice
-over, each timed warm after a pass that compiles it: `kdj.generate(max_batch=W)`, what the
-engine delivers with no server in the way, and the server's own pool (`serving_engine`: its
-chunk steps and wake share) under a closed loop of W clients in this thread, no HTTP: what
-the server's settings cost apart from HTTP. --profile DIR writes a cProfile of the latter.
+--ceiling W...: after the servers, in this process, each config (or each --ceiling-configs
+YAML) runs exactly the requests of the W-client level (same prompts, chat template, lengths,
+stop tokens and slot size) twice over, each timed warm after a pass that compiles it:
+`kdj.generate(max_batch=W)`, what the engine delivers with no server in the way, and the
+server's own pool (`serving_engine`: its chunk steps and wake share) under a closed loop of W
+clients in this thread, no HTTP: what the server's settings cost apart from HTTP. --profile
+DIR writes a cProfile of the latter.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def parser() -> argparse.ArgumentParser:
         default=[],
         help="also kdj.generate(max_batch=W) on the W-client level's requests",
     )
+    p.add_argument("--ceiling-configs", nargs="+",
+                   help="the run YAMLs whose ceiling is measured (default: --configs)")  # fmt: skip
     p.add_argument("--profile", help="a folder for cProfiles of the ceiling's in-process pool")
     p.add_argument("--max-batch", type=int, help="slots (default: the largest concurrency)")
     p.add_argument("--context", type=int, default=2048, help="tokens per slot")
@@ -254,7 +257,7 @@ def main(argv=None):
             name = "" if len(args.workloads) == 1 else f"_{lengths[0]}-{lengths[1]}"
             png = Path(args.out).with_name(Path(args.out).stem + name + ".png")
             bench.plot({Path(r["config"]).stem: r["workloads"][k] for r in result["runs"]}, png)
-    for config in args.configs if args.ceiling else ():
+    for config in (args.ceiling_configs or args.configs) if args.ceiling else ():
         result["ceiling"] += ceiling(config, prompts, args)
         harness.write_result(Path(args.out), result, argv)
 
