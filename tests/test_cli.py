@@ -84,6 +84,30 @@ def test_generate_with_a_drafter_prints_acceptance(saved_drafter, capsys, flags,
     assert "histogram" in out and expect in out
 
 
+def test_generate_prints_the_logprobs_generate_returns(tmp_path, capsys):
+    """--logprobs 2: per emitted token its text, log-probability and two alternatives, as
+    kdj.generate returns them for the same chat prompt."""
+    from tests.test_serve import save_chat_model
+
+    path = save_chat_model(tmp_path / "chat")
+    argv = ["generate", "--target", str(path), "--prompt", "hi", "--max-new-tokens", "5"]
+    assert main([*argv, "--logprobs", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = lines.index("--- [0] logprobs: token, log-probability | alternatives") + 1
+    target = kdj.load_target(path, dtype="float32")
+    tok = target.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    out = kdj.generate(target, [prompt], max_new_tokens=5, logprobs=2)
+    want = []
+    for t, x in zip(out.tokens[0], out.logprobs[0], strict=True):
+        alternatives = "  ".join(f"{tok.decode([a])!r} {v:.4f}" for a, v in x.top)
+        want.append(f"{tok.decode([t])!r:<16} {x.logprob:9.4f}  | {alternatives}")
+    assert len(want) == 5 and lines[start : start + 5] == want
+    assert lines[start + 5] == "--- [0] finish: length, 5 tokens"
+    assert main(argv) == 0  # without the flag: no table
+    assert "logprobs" not in capsys.readouterr().out
+
+
 def test_train_drafter_overrides_reach_the_config(monkeypatch):
     """train-drafter's flags override the YAML's fields before training starts."""
     import kdj.train.loop
@@ -173,6 +197,8 @@ def no_loading(monkeypatch):
      (["generate", "--top-p", "1.5"], r"--top-p: must be in \(0.0, 1.0\]"),
      (["generate", "--temperature", "inf"], "--temperature: must be finite"),
      (["generate", "--seed", "-1"], "--seed: must be in"),
+     (["generate", "--logprobs", "21"], r"--logprobs: must be in \[0, 20\] \(got 21\)"),
+     (["generate", "--logprobs", "-1"], r"--logprobs: must be in \[0, 20\]"),
      (["generate", "--dtype", "float64"], "--dtype: invalid choice"),
      (["generate", "--method", "ar", "--block-size", "4"], "--block-size applies to"),
      (["generate", "--method", "ar", "--tree-budget", "4"], "--tree-budget applies to"),
