@@ -225,6 +225,8 @@ def test_flags_are_checked_before_any_model_loads(no_loading, argv, msg):
      ("decode:\n  top_p: 0\n", r"decode.top_p must be in \(0, 1\]"),
      ("decode:\n  seed: [1, -2]\n", "decode.seed must be >= 0"),
      ("decode:\n  method: fast\n", "decode.method 'fast' is not one of"),
+     ("decode:\n  seed: [1, 2]\n", r"decode.seed has 2 entries, one per prompt, for 1 prompt"),
+     ("decode:\n  max_new_tokens: [3, 4]\n", "decode.max_new_tokens has 2 entries"),
      ("decode:\n  method: ar\n  block_size: 4\n", "decode.block_size applies to .* not .*'ar'"),
      ("decode:\n  cost: bogus\n", "decode.cost 'bogus' is not a file.*tune.*estimate"),
      ("dtype: float64\n", "dtype 'float64' is not supported"),
@@ -237,6 +239,14 @@ def test_run_yaml_values_are_checked_before_any_model_loads(no_loading, tmp_path
     run.write_text(yaml)
     with pytest.raises(SystemExit, match=f"kdj generate: {run}.*{msg}"):
         main(["generate", "--config", str(run)])
+
+
+def test_serve_refuses_a_run_yamls_per_prompt_lists(no_loading, tmp_path):
+    run = tmp_path / "run.yaml"
+    run.write_text("decode:\n  max_new_tokens: [3, 4]\n")
+    with pytest.raises(SystemExit, match=f"kdj serve: {run}: decode.max_new_tokens is a list "
+                       ".*kdj serve takes one value"):  # fmt: skip
+        main(["serve", "--config", str(run)])
 
 
 def test_method_flag_over_a_run_yaml_drops_what_it_does_not_use(capsys):

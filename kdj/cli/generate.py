@@ -8,6 +8,7 @@ from kdj.cli import values
 from kdj.cli.runs import (
     DEFAULTS,
     METHOD_FIELDS,
+    check_per_prompt,
     check_sources,
     dtype_name,
     load_run,
@@ -47,6 +48,7 @@ def settle(args) -> dict:
     arguments.method(dec["method"], bool(run["drafter"]), block_size=dec["block_size"],
                      tree_budget=dec["tree_budget"])  # fmt: skip
     prompts = args.prompt or [SAMPLE]
+    check_per_prompt(run, args.config, len(prompts))
     if not run["chat"] and "" in prompts:
         raise ValueError(f"--prompt {prompts.index('')} is empty (with --no-chat nothing is "
                          "added to it): give some text")  # fmt: skip
