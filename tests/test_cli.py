@@ -164,7 +164,7 @@ def test_eval_acceptance_runs_only_the_sets_asked_for(tmp_path):
     prompts.write_text('{"sharegpt": ["Hi"], "humaneval": []}')
     argv = ["eval-acceptance", "--drafter", "smollm2-135m-dflash-b16", "--prompts", str(prompts),
             "--datasets", "humaneval", "--out", str(tmp_path / "acc")]  # fmt: skip
-    with pytest.raises(SystemExit, match=r"no prompts for \['humaneval'\]"):
+    with pytest.raises(SystemExit, match=r"list of prompt strings under 'humaneval' .--datasets"):
         main(argv)
     assert not (tmp_path / "acc").exists()
 
@@ -247,6 +247,26 @@ def test_serve_refuses_a_run_yamls_per_prompt_lists(no_loading, tmp_path):
     with pytest.raises(SystemExit, match=f"kdj serve: {run}: decode.max_new_tokens is a list "
                        ".*kdj serve takes one value"):  # fmt: skip
         main(["serve", "--config", str(run)])
+
+
+@pytest.mark.parametrize(
+    "text, msg",
+    [("hello", "cannot read a JSON file"),
+     ('["a", "b"]', "expected eval_prompts.json, an object .* under 'sharegpt' .--datasets."),
+     ('{"sharegpt": [1]}', "expected eval_prompts.json"),
+     ('{"humaneval": ["def f():"]}', "expected eval_prompts.json")],
+)  # fmt: skip
+def test_eval_acceptance_prompts_file_is_checked_before_any_model_loads(no_loading, tmp_path,
+                                                                        text, msg):  # fmt: skip
+    path = tmp_path / "eval_prompts.json"
+    path.write_text(text)
+    argv = ["eval-acceptance", "--drafter", "smollm2-135m-dflash-b16", "--prompts", str(path),
+            "--datasets", "sharegpt"]  # fmt: skip
+    with pytest.raises(SystemExit, match=f"kdj eval-acceptance: --prompts {path}: {msg}"):
+        main(argv)
+    path.write_text('{"sharegpt": ["Hi"], "humaneval": []}')
+    with pytest.raises(AssertionError, match="a model was loaded"):  # read: the load comes next
+        main(argv)
 
 
 def test_method_flag_over_a_run_yaml_drops_what_it_does_not_use(capsys):
