@@ -108,6 +108,14 @@ def test_generate_prints_the_logprobs_generate_returns(tmp_path, capsys):
     assert "logprobs" not in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("chat", ["--chat", "--no-chat"])
+def test_generate_on_a_target_without_a_tokenizer_says_what_to_add(tmp_path, chat):
+    build("llama", tmp_path / "llama")  # weights and config only
+    with pytest.raises(SystemExit, match="llama' has no tokenizer .tokenizer.json or "
+                       "tiktoken.model beside its weights. to read --prompt with"):  # fmt: skip
+        main(["generate", "--target", str(tmp_path / "llama"), chat])
+
+
 def test_train_drafter_overrides_reach_the_config(monkeypatch):
     """train-drafter's flags override the YAML's fields before training starts."""
     import kdj.train.loop

@@ -65,10 +65,12 @@ def cmd_generate(args) -> int:
     drafter = kdj.load_drafter(run["drafter"], target=target) if run["drafter"] else None
     tok = target.tokenizer
     prompts = args.prompt or [SAMPLE]
+    if tok is None:  # --prompt is text, with or without --chat
+        raise ValueError(f"target {run['target']!r} has no tokenizer (tokenizer.json or "
+                         "tiktoken.model beside its weights) to read --prompt with: add "
+                         "its tokenizer's files there, or call kdj.generate with token "
+                         "ids")  # fmt: skip
     if run["chat"]:
-        if tok is None:
-            raise ValueError("the chat template needs a tokenizer; this target has none (pass "
-                             "--no-chat and token text the model reads raw)")  # fmt: skip
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     with Status("kdj generate: compiling (first call of a shape: tens of seconds) and decoding"):
         out = kdj.generate(target, prompts, drafter=drafter, logprobs=args.logprobs, **dec)
