@@ -103,7 +103,7 @@ def print_logprobs(tok, tokens: list[int], logprobs, i: int) -> None:
     then its alternatives' most likely first."""
 
     def piece(t: int) -> str:
-        return repr(tok.decode([t])) if tok is not None else f"<{t}>"
+        return repr(tok.decode([t]))
 
     print(f"--- [{i}] logprobs: token, log-probability | alternatives")
     for t, x in zip(tokens, logprobs, strict=True):
