@@ -84,6 +84,38 @@ def test_generate_with_a_drafter_prints_acceptance(saved_drafter, capsys, flags,
     assert "histogram" in out and expect in out
 
 
+def test_generate_prints_the_logprobs_generate_returns(tmp_path, capsys):
+    """--logprobs 2: per emitted token its text, log-probability and two alternatives, as
+    kdj.generate returns them for the same chat prompt."""
+    from tests.test_serve import save_chat_model
+
+    path = save_chat_model(tmp_path / "chat")
+    argv = ["generate", "--target", str(path), "--prompt", "hi", "--max-new-tokens", "5"]
+    assert main([*argv, "--logprobs", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = lines.index("--- [0] logprobs: token, log-probability | alternatives") + 1
+    target = kdj.load_target(path, dtype="float32")
+    tok = target.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    out = kdj.generate(target, [prompt], max_new_tokens=5, logprobs=2)
+    want = []
+    for t, x in zip(out.tokens[0], out.logprobs[0], strict=True):
+        alternatives = "  ".join(f"{tok.decode([a])!r} {v:.4f}" for a, v in x.top)
+        want.append(f"{tok.decode([t])!r:<16} {x.logprob:9.4f}  | {alternatives}")
+    assert len(want) == 5 and lines[start : start + 5] == want
+    assert lines[start + 5] == "--- [0] finish: length, 5 tokens"
+    assert main(argv) == 0  # without the flag: no table
+    assert "logprobs" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("chat", ["--chat", "--no-chat"])
+def test_generate_on_a_target_without_a_tokenizer_says_what_to_add(tmp_path, chat):
+    build("llama", tmp_path / "llama")  # weights and config only
+    with pytest.raises(SystemExit, match="llama' has no tokenizer .tokenizer.json or "
+                       "tiktoken.model beside its weights. to read --prompt with"):  # fmt: skip
+        main(["generate", "--target", str(tmp_path / "llama"), chat])
+
+
 def test_train_drafter_overrides_reach_the_config(monkeypatch):
     """train-drafter's flags override the YAML's fields before training starts."""
     import kdj.train.loop
@@ -140,7 +172,7 @@ def test_eval_acceptance_runs_only_the_sets_asked_for(tmp_path):
     prompts.write_text('{"sharegpt": ["Hi"], "humaneval": []}')
     argv = ["eval-acceptance", "--drafter", "smollm2-135m-dflash-b16", "--prompts", str(prompts),
             "--datasets", "humaneval", "--out", str(tmp_path / "acc")]  # fmt: skip
-    with pytest.raises(SystemExit, match=r"no prompts for \['humaneval'\]"):
+    with pytest.raises(SystemExit, match=r"list of prompt strings under 'humaneval' .--datasets"):
         main(argv)
     assert not (tmp_path / "acc").exists()
 
@@ -173,6 +205,8 @@ def no_loading(monkeypatch):
      (["generate", "--top-p", "1.5"], r"--top-p: must be in \(0.0, 1.0\]"),
      (["generate", "--temperature", "inf"], "--temperature: must be finite"),
      (["generate", "--seed", "-1"], "--seed: must be in"),
+     (["generate", "--logprobs", "21"], r"--logprobs: must be in \[0, 20\] \(got 21\)"),
+     (["generate", "--logprobs", "-1"], r"--logprobs: must be in \[0, 20\]"),
      (["generate", "--dtype", "float64"], "--dtype: invalid choice"),
      (["generate", "--method", "ar", "--block-size", "4"], "--block-size applies to"),
      (["generate", "--method", "ar", "--tree-budget", "4"], "--tree-budget applies to"),
@@ -199,6 +233,8 @@ def test_flags_are_checked_before_any_model_loads(no_loading, argv, msg):
      ("decode:\n  top_p: 0\n", r"decode.top_p must be in \(0, 1\]"),
      ("decode:\n  seed: [1, -2]\n", "decode.seed must be >= 0"),
      ("decode:\n  method: fast\n", "decode.method 'fast' is not one of"),
+     ("decode:\n  seed: [1, 2]\n", r"decode.seed has 2 entries, one per prompt, for 1 prompt"),
+     ("decode:\n  max_new_tokens: [3, 4]\n", "decode.max_new_tokens has 2 entries"),
      ("decode:\n  method: ar\n  block_size: 4\n", "decode.block_size applies to .* not .*'ar'"),
      ("decode:\n  cost: bogus\n", "decode.cost 'bogus' is not a file.*tune.*estimate"),
      ("dtype: float64\n", "dtype 'float64' is not supported"),
@@ -211,6 +247,34 @@ def test_run_yaml_values_are_checked_before_any_model_loads(no_loading, tmp_path
     run.write_text(yaml)
     with pytest.raises(SystemExit, match=f"kdj generate: {run}.*{msg}"):
         main(["generate", "--config", str(run)])
+
+
+def test_serve_refuses_a_run_yamls_per_prompt_lists(no_loading, tmp_path):
+    run = tmp_path / "run.yaml"
+    run.write_text("decode:\n  max_new_tokens: [3, 4]\n")
+    with pytest.raises(SystemExit, match=f"kdj serve: {run}: decode.max_new_tokens is a list "
+                       ".*kdj serve takes one value"):  # fmt: skip
+        main(["serve", "--config", str(run)])
+
+
+@pytest.mark.parametrize(
+    "text, msg",
+    [("hello", "cannot read a JSON file"),
+     ('["a", "b"]', "expected eval_prompts.json, an object .* under 'sharegpt' .--datasets."),
+     ('{"sharegpt": [1]}', "expected eval_prompts.json"),
+     ('{"humaneval": ["def f():"]}', "expected eval_prompts.json")],
+)  # fmt: skip
+def test_eval_acceptance_prompts_file_is_checked_before_any_model_loads(no_loading, tmp_path,
+                                                                        text, msg):  # fmt: skip
+    path = tmp_path / "eval_prompts.json"
+    path.write_text(text)
+    argv = ["eval-acceptance", "--drafter", "smollm2-135m-dflash-b16", "--prompts", str(path),
+            "--datasets", "sharegpt"]  # fmt: skip
+    with pytest.raises(SystemExit, match=f"kdj eval-acceptance: --prompts {path}: {msg}"):
+        main(argv)
+    path.write_text('{"sharegpt": ["Hi"], "humaneval": []}')
+    with pytest.raises(AssertionError, match="a model was loaded"):  # read: the load comes next
+        main(argv)
 
 
 def test_method_flag_over_a_run_yaml_drops_what_it_does_not_use(capsys):

@@ -274,9 +274,16 @@ CHAT = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_en
 @pytest.fixture(scope="module")
 def chat_target(tmp_path_factory):
     """The tiny model with a character-level tokenizer (ids < its vocabulary of 96)."""
+    path = save_chat_model(tmp_path_factory.mktemp("qwen3chat"))
+    target = kdj.load_target(path, dtype="float32")
+    assert target.tokenizer is not None and target.tokenizer.vocab_size == target.cfg.vocab_size
+    return target
+
+
+def save_chat_model(path):
+    """A tiny random Qwen3 with a character-level tokenizer and a chat template, at `path`."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    path = tmp_path_factory.mktemp("qwen3chat")
     build("qwen3", path)
     tokens = SPECIALS + list(CHARS)
     tokens += [f"<{i}>" for i in range(len(tokens), 96)]  # every id the model can emit
@@ -288,9 +295,7 @@ def chat_target(tmp_path_factory):
     tok.save(str(path / "tokenizer.json"))
     config = {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHAT}
     (path / "tokenizer_config.json").write_text(json.dumps(config))
-    target = kdj.load_target(path, dtype="float32")
-    assert target.tokenizer is not None and len(vocab) == target.cfg.vocab_size
-    return target
+    return path
 
 
 @contextlib.contextmanager

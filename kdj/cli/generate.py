@@ -8,12 +8,14 @@ from kdj.cli import values
 from kdj.cli.runs import (
     DEFAULTS,
     METHOD_FIELDS,
+    check_per_prompt,
     check_sources,
     dtype_name,
     load_run,
     switch_method,
 )
 from kdj.cli.status import Status
+from kdj.decode.logprobs import MAX_TOP
 
 SAMPLE = "What is the capital of Australia?"
 # generate's parameters as this command's flags, for messages raised by the Python API
@@ -46,6 +48,7 @@ def settle(args) -> dict:
     arguments.method(dec["method"], bool(run["drafter"]), block_size=dec["block_size"],
                      tree_budget=dec["tree_budget"])  # fmt: skip
     prompts = args.prompt or [SAMPLE]
+    check_per_prompt(run, args.config, len(prompts))
     if not run["chat"] and "" in prompts:
         raise ValueError(f"--prompt {prompts.index('')} is empty (with --no-chat nothing is "
                          "added to it): give some text")  # fmt: skip
@@ -62,16 +65,20 @@ def cmd_generate(args) -> int:
     drafter = kdj.load_drafter(run["drafter"], target=target) if run["drafter"] else None
     tok = target.tokenizer
     prompts = args.prompt or [SAMPLE]
+    if tok is None:  # --prompt is text, with or without --chat
+        raise ValueError(f"target {run['target']!r} has no tokenizer (tokenizer.json or "
+                         "tiktoken.model beside its weights) to read --prompt with: add "
+                         "its tokenizer's files there, or call kdj.generate with token "
+                         "ids")  # fmt: skip
     if run["chat"]:
-        if tok is None:
-            raise ValueError("the chat template needs a tokenizer; this target has none (pass "
-                             "--no-chat and token text the model reads raw)")  # fmt: skip
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     with Status("kdj generate: compiling (first call of a shape: tens of seconds) and decoding"):
-        out = kdj.generate(target, prompts, drafter=drafter, **dec)
+        out = kdj.generate(target, prompts, drafter=drafter, logprobs=args.logprobs, **dec)
     for i, text in enumerate(out.texts or [str(t) for t in out.tokens]):
         print(f"--- [{i}] {(args.prompt or [SAMPLE])[i]}")
         print(text)
+        if out.logprobs is not None:
+            print_logprobs(tok, out.tokens[i], out.logprobs[i], i)
         print(f"--- [{i}] finish: {out.finish_reasons[i]}, {len(out.tokens[i])} tokens")
     s = out.stats
     if s["method"] != "ar":
@@ -89,6 +96,19 @@ def cmd_generate(args) -> int:
         f"compile {s['compile_s']:.1f} s)"
     )
     return 0
+
+
+def print_logprobs(tok, tokens: list[int], logprobs, i: int) -> None:
+    """One line per emitted token: its text (quoted, so whitespace shows), its log-probability,
+    then its alternatives' most likely first."""
+
+    def piece(t: int) -> str:
+        return repr(tok.decode([t]))
+
+    print(f"--- [{i}] logprobs: token, log-probability | alternatives")
+    for t, x in zip(tokens, logprobs, strict=True):
+        top = "  ".join(f"{piece(a)} {v:.4f}" for a, v in x.top)
+        print(f"{piece(t):<16} {x.logprob:9.4f}" + (f"  | {top}" if top else ""))
 
 
 def add_parsers(sub) -> None:
@@ -136,6 +156,10 @@ def add_parsers(sub) -> None:
         "--temperature", type=values.TEMPERATURE, help=f"sampling temperature, 0 = greedy ({run} 0)"
     )
     g.add_argument("--top-p", type=values.TOP_P, help=f"nucleus sampling mass in (0, 1] ({run} 1)")
+    g.add_argument("--logprobs", type=values.integer(0, MAX_TOP), metavar="K",
+                   help="print each emitted token's log-probability under the target (raw "
+                   f"logits), and its K most likely alternatives', K in [0, {MAX_TOP}] "
+                   "(default: none)")  # fmt: skip
     g.add_argument("--seed", type=values.SEED, help=f"sampling seed ({run} 0)")
     g.add_argument("--deterministic", action=argparse.BooleanOptionalAction,
                    help="output independent of method, drafter and batch (kernels chosen per "

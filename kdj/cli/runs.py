@@ -124,6 +124,21 @@ def check_values(cfg: dict, given: dict, path) -> None:
     check("decode.cost", lambda: arguments.cost(dec["cost"]))
 
 
+def check_per_prompt(run: dict, path, prompts: int | None) -> None:
+    """The YAML's per-prompt lists (decode.max_new_tokens, decode.seed) have one entry per
+    prompt; `prompts` None: the command has no prompts of its own (serve), so none is taken."""
+    for key in ("max_new_tokens", "seed"):
+        value = run["decode"][key]
+        if not isinstance(value, list):
+            continue
+        if prompts is None:
+            raise ValueError(f"{path}: decode.{key} is a list (one per prompt, for kdj generate); "
+                             "kdj serve takes one value")  # fmt: skip
+        if len(value) != prompts:
+            raise ValueError(f"{path}: decode.{key} has {len(value)} entries, one per prompt, "
+                             f"for {prompts} prompt(s) (--prompt)")  # fmt: skip
+
+
 def check_sources(run: dict) -> None:
     """The run's target and drafter exist (FileNotFoundError naming the missing one), so a
     mistyped drafter is not found only after the target has loaded."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kdj.cli import values
 from kdj.cli.extras import needs
-from kdj.cli.runs import check_sources, dtype_name, load_run
+from kdj.cli.runs import check_per_prompt, check_sources, dtype_name, load_run
 
 # the engine's parameters as serve's flags, for messages raised below the command line
 FLAGS = {"kdj.load_drafter": "--drafter", "kdj.load_target": "--target",
@@ -37,6 +37,7 @@ def check_serve(args, run: dict) -> None:
                          "--deterministic does)")  # fmt: skip
     arguments.method(dec["method"], bool(run["drafter"]), block_size=dec["block_size"],
                      tree_budget=dec["tree_budget"])  # fmt: skip
+    check_per_prompt(run, args.config, None)
     check_sources(run)
 
 

@@ -53,7 +53,7 @@ def cmd_eval_acceptance(args) -> int:
     named = drafter_labels(args.drafter)
     check_sources(args.target, *named.values())
     if args.prompts:  # eval_prompts.json written by train-drafter: no dataset packages needed
-        texts = json.loads(open(args.prompts).read())
+        texts = eval_prompts(args.prompts, args.datasets)
     else:
         from kdj.train.data import humaneval_prompts, sharegpt_split
 
@@ -83,6 +83,23 @@ def cmd_eval_acceptance(args) -> int:
         print(f"{label}: wrote {js} and {png}")
     print(evaluate.compare_table(reports))  # tau (speedup over AR): DFlash, each DDTree budget
     return 0
+
+
+def eval_prompts(path: str, datasets: list[str]) -> dict[str, list[str]]:
+    """eval-acceptance --prompts: the sets of `datasets` that eval_prompts.json (train-drafter's
+    held-out prompts, {set: [prompt, ...]}) holds, read before any model loads."""
+    try:
+        texts = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--prompts {path}: cannot read a JSON file ({e})") from None
+    found = {name: texts[name] for name in datasets if isinstance(texts, dict)
+             and isinstance(texts.get(name), list) and texts[name]
+             and all(isinstance(p, str) for p in texts[name])}  # fmt: skip
+    if not found:
+        raise ValueError(f"--prompts {path}: expected eval_prompts.json, an object with a "
+                         f"non-empty list of prompt strings under "
+                         f"{' or '.join(map(repr, datasets))} (--datasets)")  # fmt: skip
+    return found
 
 
 def check_sources(target: str, *drafters: str) -> None:
