@@ -94,15 +94,14 @@ class Joined(NamedTuple):
     logprobs: Logprobs | None  # [newcomers, 1] the first tokens', when the pool records
 
 
-def prefill_chunk(pool_: pool.Pool, fn, ts, ds, new, prior, rows):
-    """One prefill call; after an admission's last (rows: its pool rows), a Joined with the
-    newcomers' first tokens."""
+def prefill_chunk(pool_: pool.Pool, fn, ts, ds, new, prior, last=None):
+    """One prefill call; after an admission's last (last: pool.first_tokens compiled for the
+    pool, and the admission's rows), a Joined with the newcomers' first tokens."""
     pool_ = fn(ts, ds, pool_, new, prior)
-    if rows is None:
+    if last is None:
         return pool_
-    state = pool_.state
-    joined = Joined(pool_, state.out[rows, 0], state.done[rows],
-                    jax.tree.map(lambda x: x[rows, :1], state.logprobs))  # fmt: skip
+    first_tokens, rows = last
+    joined = Joined(pool_, *first_tokens(pool_, rows))
     for x in jax.tree.leaves(joined[1:]):
         x.copy_to_host_async()
     return joined

@@ -365,7 +365,7 @@ class Engine:
         tg, ts, dg, ds = self._graphs()
         window = min(self.N, pool.window(plan, self.bounds[width]))
         key = ("chunk", width, plan.greedy, plan.logprobs)
-        return self._program(key, pool.chunk, tg, ts, dg, ds, pool_, jnp.int32(0), jnp.int32(0),
+        return self._program(key, pool.chunk, tg, ts, dg, ds, pool_, np.int32(0), np.int32(0),
                              options=self._xla, plan=plan, width=window)  # fmt: skip
 
     def _drop_cancelled(self) -> list[Update]:
@@ -458,6 +458,7 @@ class Engine:
                 new = jax.device_put(pool.blank(a, self.C, w))
                 get(pool.prefill, tg, ts, dg, ds, empty(w), new, self.priors[w],
                     options=self._xla, plan=plan)  # fmt: skip
+                get(pool.first_tokens, empty(w), np.zeros(a, np.int32))
             else:
                 _, a, b = job
                 src = empty(a)
@@ -518,11 +519,19 @@ class Engine:
             key = ("prefill", W, A, plan.greedy, plan.logprobs)
             fn = self._program(key, pool.prefill, tg, ts, dg, ds, self._shape(W), new,
                                self.priors[W], options=self._xla, plan=plan)  # fmt: skip
-            last = np.asarray(free[: len(take)], np.int32) if c == chunks - 1 else None
+            last = self._first_tokens_at(free[: len(take)], A) if c == chunks - 1 else None
             joined = self.device.queue(device.prefill_chunk, fn, ts, ds, new, self.priors[W], last)
             self.stats.prefills += 1
         # the chunk queued next is the first they run in: their first tokens come before it
         self.newcomers.append(Newcomers(joined, take, self.stats.chunks))
+
+    def _first_tokens_at(self, rows: list[int], A: int) -> tuple:
+        """pool.first_tokens compiled for this pool and an admission of A rows, and `rows`
+        padded to A (repeating the first)."""
+        at = np.asarray(rows + rows[:1] * (A - len(rows)), np.int32)
+        fn = self._program(("first", self.width, A, self.logprobs), pool.first_tokens,
+                           self._shape(self.width), at)  # fmt: skip
+        return fn, at
 
     def _first_tokens(self, chunk: int) -> list[Update]:
         """The first tokens of the newcomers admitted before chunk `chunk` that are not

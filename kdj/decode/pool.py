@@ -190,6 +190,15 @@ def _put(cache: KVCache, rows: KVCache, slots) -> KVCache:
                                v=[put(p, n) for p, n in zip(cache.v, rows.v)])  # fmt: skip
 
 
+@jax.jit
+def first_tokens(pool: Pool, rows) -> tuple:
+    """An admission's first tokens, ends and log-probability records (or None) at pool `rows`
+    ([A]: its rows bucket, the padding repeating a row): one program per (width, A), where
+    eager indexing would compile one per newcomer count while serving."""
+    s = pool.state
+    return s.out[rows, 0], s.done[rows], jax.tree.map(lambda x: x[rows, :1], s.logprobs)
+
+
 @functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "plan"), donate_argnames=("pool",))
 def prefill(tgraph, tstate, dgraph, dstate, pool: Pool, new: Admission, prior, *,
             plan: Plan) -> Pool:  # fmt: skip
