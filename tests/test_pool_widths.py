@@ -329,8 +329,9 @@ def test_warm_compiles_every_program_a_stream_meets(vocab12_pair, method):
     budgets = [int(m) for m in rng.integers(1, 20, 24)]
     kw = {} if method == "ar" else dict(drafter=drafter, menu=auto.parse_menu(method, None, 6, 6))
     engine = Engine(target, 8, 64, 20, widths=(2, 8), admit_rows=4, prefill_chunk=8, **kw)
-    # a chunk per width, prefills of rows (2) at width 2 and (2, 4) at 8, two resizes
-    assert engine.warm(modes=(True,)) == 2 + 3 + 2
+    # a chunk per width, prefills of rows (2) at width 2 and (2, 4) at 8 (each with its
+    # first tokens' read), two resizes, an empty pool per width
+    assert engine.warm(modes=(True,)) == 2 + 3 + 2 + 2
     before = len(target.executables)
     ids = [engine.submit(Request(p, m, [])) for p, m in zip(prompts, budgets)]
     got = {i: [] for i in ids}

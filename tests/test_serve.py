@@ -12,6 +12,7 @@ import threading
 import time
 
 import httpx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -153,6 +154,35 @@ def test_a_failed_pool_program_fails_what_follows_until_reset(target):
     while engine.busy:
         out += engine.step()
     assert [t for u in out for t in u.tokens] == alone(target, prompts, [4])[0]
+
+
+def test_a_warm_pool_compiles_nothing_while_serving(target):
+    """After warm, newcomers arriving in groups of every size, a pool that narrows, widens
+    and empties, and cancelled requests compile nothing: a compile while serving stalls every
+    stream (an eager read of the newcomers' first tokens once compiled one per group size)."""
+    prompts, budgets = prompts_and_budgets(target, 40, seed=5)
+    engine = Engine(target, max_batch=16, cache_size=64, max_new_cap=63, chunk_steps=4)
+    engine.warm((True,))
+    compiles = []
+
+    def listen(event, seconds, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        todo = list(zip(prompts, budgets))
+        for group in (1, 3, 2, 5, 16, 4, 7, 0, 0, 0, 0, 0, 0, 0, 0, 2):
+            ids = [engine.submit(Request(p, m, [])) for p, m in todo[:group]]
+            del todo[:group]
+            engine.step()
+            if len(ids) > 2:
+                engine.cancel(ids[1])
+        while engine.busy:
+            engine.step()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles == []
 
 
 def test_max_batch_must_be_positive(target):

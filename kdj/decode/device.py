@@ -80,8 +80,14 @@ def run_chunk(pool_: pool.Pool, fn, ts, ds, bound, wake) -> Ran:
 def free(pool_: pool.Pool, rows: np.ndarray) -> pool.Pool:
     """`rows` ride along as done from the next chunk on (cancelled)."""
     state = pool_.state
-    done = state.done.at[rows].set(True)
-    return pool_._replace(state=dataclasses.replace(state, done=done))
+    return pool_._replace(state=dataclasses.replace(state, done=mark_done(state.done, rows)))
+
+
+@jax.jit
+def mark_done(done, rows):
+    """done[rows] = True; `rows` padded to the pool's width with the width (dropped), so one
+    program serves every count of rows freed at a width."""
+    return done.at[rows].set(True, mode="drop")
 
 
 class Joined(NamedTuple):

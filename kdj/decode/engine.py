@@ -375,7 +375,9 @@ class Engine:
         self.waiting = collections.deque(r for r in self.waiting if r.id not in self.cancelled)
         freed = [b for b, r in enumerate(self.slots) if r is not None and r.id in self.cancelled]
         if freed:
-            self.device.queue(device.free, np.asarray(freed, np.int32))
+            rows = np.full(self.width, self.width, np.int32)  # padding: dropped
+            rows[: len(freed)] = freed
+            self.device.queue(device.free, rows)
         updates = dropped
         for b in freed:  # their steps as of the last report: the device is not waited for
             rid = self.slots[b].id
@@ -429,10 +431,12 @@ class Engine:
              threads: int | None = None) -> int:  # fmt: skip
         """Compile every program the pool can meet, ahead of the first request (a server
         calls it before it answers /health): for each greedy mode of `modes`, each width's
-        chunk and prefill (per rows bucket), and the resize between every pair of widths,
-        all without log-probabilities (a pool recording them compiles at its first use).
-        `threads` compile at once (default: up to 8, one per two cores; XLA's compiles are
-        mostly one thread each), over the pools' shapes alone (no pool is allocated).
+        chunk, prefill and first tokens' read (per rows bucket) and freeing of slots, and
+        the resize between every pair of widths, all without log-probabilities (a pool
+        recording them compiles at its first use). Nothing else compiles while serving: a
+        compile there stalls every stream. `threads` compile at once (default: up to 8, one
+        per two cores; XLA's compiles are mostly one thread each), over the pools' shapes,
+        except that an empty pool of each width is made once (its eager ops compile).
         progress(done, total), if given, is called after each. Returns the programs
         compiled or found."""
         tg, ts, dg, ds = self._graphs()
@@ -443,6 +447,7 @@ class Engine:
                 jobs.append(("chunk", w, plan))
                 jobs += [("prefill", w, plan, a) for a in self._row_buckets(w)]
         jobs += [("resize", a, b) for a in self.widths for b in self.widths if a != b]
+        jobs += [("empty", w) for w in self.widths]
         pools = {w: self._shape(w) for w in self.widths}
         for w in self.widths:  # each width's slot axes, before the threads
             self._slot_axes(w)
@@ -459,6 +464,10 @@ class Engine:
                 get(pool.prefill, tg, ts, dg, ds, empty(w), new, self.priors[w],
                     options=self._xla, plan=plan)  # fmt: skip
                 get(pool.first_tokens, empty(w), np.zeros(a, np.int32))
+            elif job[0] == "empty":  # its eager ops, and freeing slots, at this width
+                w = job[1]
+                done = jax.device_put(self._empty(w).state.done, empty(w).state.done.sharding)
+                device.mark_done(done, np.full(w, w, np.int32)).block_until_ready()
             else:
                 _, a, b = job
                 src = empty(a)
