@@ -185,6 +185,16 @@ def test_a_warm_pool_compiles_nothing_while_serving(target):
     assert compiles == []
 
 
+def test_compiles_are_counted_while_listening():
+    from kdj.serve.app import Compiles
+
+    with Compiles() as compiles:
+        jax.jit(lambda x: x * 3 + 1)(np.arange(5))
+    assert compiles.count == 1 and compiles.seconds > 0
+    jax.jit(lambda x: x * 5 + 2)(np.arange(5))
+    assert compiles.count == 1  # no longer listening
+
+
 def test_max_batch_must_be_positive(target):
     with pytest.raises(ValueError, match="max_batch"):
         kdj.generate(target, [[1, 2], [3, 4]], method="ar", max_batch=0)
@@ -599,6 +609,7 @@ def test_bench_serve_smoke(server, tmp_path, capsys, monkeypatch):
     (two,) = json.loads(out.read_text())["rows"]
     assert two["requests"] == 4 and two["client_procs"] == 2 and two["errors"] == 0
     assert two["server"]["turns"] > 0 and two["itl_per_token"]
+    assert two["server"]["compiles"] == 0  # the warm server compiles nothing for it
     assert all(r["errors"] == 0 for r in rows)
     # a prompt past the server's context: refused (400), counted, the others still measured
     prompts.write_text(json.dumps({"sharegpt": ["hi there", "word " * 400, "why?"]}))

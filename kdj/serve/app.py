@@ -16,6 +16,7 @@ import json
 import time
 import uuid
 
+import jax
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -50,6 +51,28 @@ class LoopLag:
             self.max_s = max(self.max_s, lag)
 
 
+class Compiles:
+    """XLA compiles in this process while it serves (after warm: none is expected; each one
+    stalls every stream behind it). Cumulative, like LoopLag."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count, self.seconds = 0, 0.0
+
+    def __call__(self, event: str, seconds: float, **_) -> None:
+        if event == self.EVENT:
+            self.count += 1
+            self.seconds += seconds
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self)
+        return self
+
+    def __exit__(self, *_):
+        jax.monitoring.unregister_event_duration_listener(self)
+
+
 def error_body(message: str, kind: str, param=None, code=None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
@@ -62,15 +85,16 @@ def error(status: int, message: str, kind: str = "invalid_request_error", param=
 
 
 def build_app(worker: Worker, served: Served) -> FastAPI:
-    lag = LoopLag()
+    lag, compiles = LoopLag(), Compiles()
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        worker.start()
-        probe = asyncio.create_task(lag.probe())
-        yield
-        probe.cancel()
-        worker.stop()  # after uvicorn's graceful shutdown: cancels what is still running
+        with compiles:
+            worker.start()
+            probe = asyncio.create_task(lag.probe())
+            yield
+            probe.cancel()
+            worker.stop()  # after uvicorn's graceful shutdown: cancels what is still running
 
     app = FastAPI(title="kdj", lifespan=lifespan)
     app.state.worker = worker  # for code that embeds the app (and tests) to reach the engine
@@ -110,6 +134,7 @@ def build_app(worker: Worker, served: Served) -> FastAPI:
         lagged = {"samples": lag.samples, "total_s": lag.total_s, "max_s": lag.max_s}
         return {"method": engine.method, "engine": dataclasses.asdict(engine.stats),
                 "worker": dataclasses.asdict(worker.stats), "loop_lag": lagged,
+                "compiles": {"count": compiles.count, "seconds": compiles.seconds},
                 "pricing": pricing}  # fmt: skip
 
     @app.get("/v1/models")

@@ -220,6 +220,9 @@ def stats_delta(before: dict, after: dict, wall: float) -> dict:
                     widths[w]},
         "loop_lag_mean_ms": 1e3 * d("loop_lag", "total_s") / lag_n if lag_n else float("nan"),
         "loop_lag_max_ms": 1e3 * after["loop_lag"]["max_s"],
+        # XLA compiles while the level ran (a warm server should have none)
+        "compiles": d("compiles", "count") if "compiles" in after else None,
+        "compile_s": d("compiles", "seconds") if "compiles" in after else None,
     }  # fmt: skip
 
 
@@ -304,15 +307,17 @@ def run(url: str, prompts: list[str], concurrency: list[int], max_tokens: tuple[
 def table(report: dict) -> str:
     head = f"{'C':>5} {'reqs':>5} {'errs':>5} {'tok/s':>9} {'tok/s/user':>10} " \
            f"{'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} {'TPOT p50':>9} " \
-           f"{'host':>5}"  # fmt: skip
+           f"{'host':>5} {'jit':>4}"  # fmt: skip
     lines = [head]
     for r in report["rows"]:
         host = r.get("server", {}).get("host_share", float("nan"))
+        jit = r.get("server", {}).get("compiles")
         lines.append(f"{r['concurrency']:>5} {r['requests']:>5} {r['errors']:>5} "
                      f"{r['tok_s']:>9.1f} {r['tok_s_per_user']:>10.1f} "
                      f"{r['ttft_p50_s'] * 1e3:>7.0f}ms {r['ttft_p99_s'] * 1e3:>6.0f}ms "
                      f"{r['itl_p50_s'] * 1e3:>6.1f}ms {r['itl_p99_s'] * 1e3:>6.1f}ms "
-                     f"{r['tpot_p50_s'] * 1e3:>7.1f}ms {host:>5.2f}")  # fmt: skip
+                     f"{r['tpot_p50_s'] * 1e3:>7.1f}ms {host:>5.2f} "
+                     f"{'-' if jit is None else jit:>4}")  # fmt: skip
     return "\n".join(lines)
 
 
