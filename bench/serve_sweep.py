@@ -23,7 +23,8 @@ stop tokens and slot size) twice over, each timed warm after a pass that compile
 `kdj.generate(max_batch=W)`, what the engine delivers with no server in the way, and the
 server's own pool (`serving_engine`: its chunk steps and wake share) under a closed loop of W
 clients in this thread, no HTTP: what the server's settings cost apart from HTTP. --profile
-DIR writes a cProfile of the latter.
+DIR writes a cProfile of the latter. Each timed pass counts the XLA compiles it ran
+(expected: none, the pass before it compiled what it meets).
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ def ceiling(config: str, prompts: list[str], args) -> list[dict]:
     import kdj
     from kdj.cli.runs import dtype_name, load_run
     from kdj.decode.requests import Request
-    from kdj.serve.app import serving_engine
+    from kdj.serve.app import Compiles, serving_engine
 
     run = load_run(config)
     dec = run["decode"]
@@ -220,11 +221,11 @@ def ceiling(config: str, prompts: list[str], args) -> list[dict]:
                 first = time.perf_counter() - t0
                 profile = cProfile.Profile() if args.profile and name == "pool" else None
                 t0 = time.perf_counter()
-                with profile or contextlib.nullcontext():
+                with profile or contextlib.nullcontext(), Compiles() as compiles:
                     tokens = call()
                 wall = time.perf_counter() - t0
                 row[name] = {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
-                             "first_call_s": first}  # fmt: skip
+                             "first_call_s": first, "compiles": compiles.count}  # fmt: skip
                 if profile is not None:
                     stem = f"{Path(config).stem}_{lengths[0]}-{lengths[1]}_{w}"
                     write_profile(profile, Path(args.profile) / f"profile_{stem}.txt")
