@@ -77,17 +77,11 @@ def run_chunk(pool_: pool.Pool, fn, ts, ds, bound, wake) -> Ran:
     return Ran(pool_, report)
 
 
-def free(pool_: pool.Pool, rows: np.ndarray) -> pool.Pool:
-    """`rows` ride along as done from the next chunk on (cancelled)."""
+def free(pool_: pool.Pool, mark_done, rows: np.ndarray) -> pool.Pool:
+    """`rows` ride along as done from the next chunk on (cancelled); mark_done:
+    pool.mark_done compiled for the pool's width."""
     state = pool_.state
     return pool_._replace(state=dataclasses.replace(state, done=mark_done(state.done, rows)))
-
-
-@jax.jit
-def mark_done(done, rows):
-    """done[rows] = True; `rows` padded to the pool's width with the width (dropped), so one
-    program serves every count of rows freed at a width."""
-    return done.at[rows].set(True, mode="drop")
 
 
 class Joined(NamedTuple):

@@ -377,7 +377,9 @@ class Engine:
         if freed:
             rows = np.full(self.width, self.width, np.int32)  # padding: dropped
             rows[: len(freed)] = freed
-            self.device.queue(device.free, rows)
+            done = self._shape(self.width).state.done
+            fn = self._program(("free", self.width), pool.mark_done, done, rows)
+            self.device.queue(device.free, fn, rows)
         updates = dropped
         for b in freed:  # their steps as of the last report: the device is not waited for
             rid = self.slots[b].id
@@ -447,7 +449,7 @@ class Engine:
                 jobs.append(("chunk", w, plan))
                 jobs += [("prefill", w, plan, a) for a in self._row_buckets(w)]
         jobs += [("resize", a, b) for a in self.widths for b in self.widths if a != b]
-        jobs += [("empty", w) for w in self.widths]
+        jobs += [("width", w) for w in self.widths]
         pools = {w: self._shape(w) for w in self.widths}
         for w in self.widths:  # each width's slot axes, before the threads
             self._slot_axes(w)
@@ -464,10 +466,10 @@ class Engine:
                 get(pool.prefill, tg, ts, dg, ds, empty(w), new, self.priors[w],
                     options=self._xla, plan=plan)  # fmt: skip
                 get(pool.first_tokens, empty(w), np.zeros(a, np.int32))
-            elif job[0] == "empty":  # its eager ops, and freeing slots, at this width
+            elif job[0] == "width":  # freeing slots; an idle pool's new width (eager ops)
                 w = job[1]
-                done = jax.device_put(self._empty(w).state.done, empty(w).state.done.sharding)
-                device.mark_done(done, np.full(w, w, np.int32)).block_until_ready()
+                get(pool.mark_done, empty(w).state.done, np.zeros(w, np.int32))
+                jax.block_until_ready(self._empty(w))
             else:
                 _, a, b = job
                 src = empty(a)

@@ -199,6 +199,13 @@ def first_tokens(pool: Pool, rows) -> tuple:
     return s.out[rows, 0], s.done[rows], jax.tree.map(lambda x: x[rows, :1], s.logprobs)
 
 
+@jax.jit
+def mark_done(done, rows):
+    """done[rows] = True; `rows` padded to the pool's width with the width (dropped): one
+    program per width for every count of rows freed."""
+    return done.at[rows].set(True, mode="drop")
+
+
 @functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "plan"), donate_argnames=("pool",))
 def prefill(tgraph, tstate, dgraph, dstate, pool: Pool, new: Admission, prior, *,
             plan: Plan) -> Pool:  # fmt: skip
