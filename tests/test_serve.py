@@ -116,6 +116,32 @@ def test_the_host_queues_admission_and_the_next_chunk_while_the_device_runs(targ
     assert [tokens[0], tokens[1]] == alone(target, prompts, [6, 6])
 
 
+def test_chunks_follow_the_host(target):
+    """follow_host: chunks start at one step; a host that keeps the device waiting between
+    chunks queued back to back doubles them up to the bound, and chunks without a wait take
+    a step off again. The tokens are the same whatever the chunks' lengths."""
+    prompts, budgets = prompts_and_budgets(target, 5, seed=7)
+    engine = Engine(target, max_batch=4, cache_size=64, max_new_cap=11, chunk_steps=8,
+                    widths=(4,), follow_host=True)  # fmt: skip
+    assert engine.run_steps == {4: 1}
+    ids = [engine.submit(Request(p, m, [])) for p, m in zip(prompts, budgets)]
+    got = {i: [] for i in ids}
+    while engine.busy:
+        time.sleep(0.02)  # a slow host: the device idles between chunks
+        for u in engine.step():
+            got[u.id] += u.tokens
+    assert [got[i] for i in ids] == alone(target, prompts, budgets)
+    assert engine.run_steps == {4: 8} and engine.stats.starved >= 3
+    assert engine.stats.starved_s > 3 * 0.01
+    for _ in range(8 * 3):  # chunks the device never waited before: three steps off
+        engine._follow(4, 0.0, 0.01)
+    assert engine.run_steps == {4: 5}
+    fixed = Engine(target, max_batch=4, cache_size=64, max_new_cap=11, chunk_steps=8,
+                   widths=(4,))  # fmt: skip
+    fixed._follow(4, 1.0, 0.01)  # counted, never acted on
+    assert fixed.run_steps == {4: 8} and fixed.stats.starved == 1
+
+
 def test_a_newcomers_first_token_comes_before_its_first_chunk(target):
     """A request's first token (its prefill's) is handed out alone, a turn before the chunk
     it joined reports: the time to first token is the prefill's, not a chunk's."""

@@ -138,7 +138,8 @@ def add_parsers(sub) -> None:
         "--max-queue", type=values.POSITIVE, default=64, help="waiting requests (default: 64)"
     )
     v.add_argument("--chunk-steps", type=values.POSITIVE,
-                   help="device steps between host turns (default: 4 at widths up to 16, "
+                   help="device steps between host turns, fixed (default: as few as keep the "
+                   "device busy, so tokens stream as committed; at most 4 at widths up to 16, "
                    "then a quarter of the width, at most 16)")  # fmt: skip
     v.add_argument("--widths", type=values.POSITIVE, nargs="+",
                    help="compiled widths the pool runs at, ending at --max-batch (default: "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import time
 from typing import NamedTuple
 
 import jax
@@ -29,6 +30,9 @@ class DeviceQueue:
 
     def __init__(self, pool_: pool.Pool):
         self._pool, self._broken = pool_, None  # the device thread's own
+        # seconds the thread sat with nothing queued, up to the program now running (read
+        # by that program: a chunk's report says how long the host kept the device waiting)
+        self.idle_s, self._end = 0.0, time.perf_counter()
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kdj-device")
 
     def queue(self, fn, *args) -> concurrent.futures.Future:
@@ -49,11 +53,14 @@ class DeviceQueue:
     def _apply(self, fn, *args):
         if self._broken is not None:
             raise RuntimeError(f"an earlier pool program failed: {self._broken}")
+        self.idle_s += time.perf_counter() - self._end
         try:
             out = fn(self._pool, *args)
         except BaseException as e:
             self._broken = e
             raise
+        finally:
+            self._end = time.perf_counter()
         self._pool = out if isinstance(out, pool.Pool) else out.pool
         return out
 
@@ -67,14 +74,17 @@ class Ran(NamedTuple):
 
     pool: pool.Pool
     report: pool.Report
+    idle_s: float  # the device thread's idle seconds (DeviceQueue.idle_s) when it started
+    seconds: float  # how long it ran
 
 
-def run_chunk(pool_: pool.Pool, fn, ts, ds, bound, wake) -> Ran:
+def run_chunk(pool_: pool.Pool, fn, ts, ds, bound, wake, queue: DeviceQueue) -> Ran:
     """One chunk, its report's copies to the host started at once."""
+    t0 = time.perf_counter()
     pool_, report = fn(ts, ds, pool_, bound, wake)
     for x in jax.tree.leaves(report):  # the host reads them a chunk later
         x.copy_to_host_async()
-    return Ran(pool_, report)
+    return Ran(pool_, report, queue.idle_s, time.perf_counter() - t0)
 
 
 def free(pool_: pool.Pool, mark_done, rows: np.ndarray) -> pool.Pool:

@@ -21,6 +21,10 @@ class TurnStats:
     prefills: int = 0  # prefill calls (one per admission group and prompt chunk)
     admitted: int = 0
     tokens: int = 0  # tokens handed out
+    # the device's waits for the host between chunks queued back to back: their seconds,
+    # and how many were long enough to count (Engine._follow)
+    starved_s: float = 0.0
+    starved: int = 0
     widths: dict[int, int] = dataclasses.field(default_factory=dict)  # chunks run per width
     # per width, per choice of the drafting methods (a menu entry's name, "plain": a step
     # that skipped the drafter): [pool steps, tokens they committed over all rows]

@@ -135,7 +135,7 @@ def build_app(worker: Worker, served: Served) -> FastAPI:
         return {"method": engine.method, "engine": dataclasses.asdict(engine.stats),
                 "worker": dataclasses.asdict(worker.stats), "loop_lag": lagged,
                 "compiles": {"count": compiles.count, "seconds": compiles.seconds},
-                "pricing": pricing}  # fmt: skip
+                "chunk_steps": engine.run_steps, "pricing": pricing}  # fmt: skip
 
     @app.get("/v1/models")
     async def models():
@@ -353,9 +353,9 @@ def completion_top(s: Scored) -> dict:
 
 
 def stream_steps(width: int) -> int:
-    """Serving's steps per chunk at a width: a few at small widths, so tokens stream about
-    every 4 steps; more at large ones, where each turn hands out `width` updates and the
-    host's turn has to stay shorter than the chunk queued behind it."""
+    """Serving's most steps per chunk at a width (the engine runs as few as keep the device
+    busy: follow_host): more at large widths, where each turn hands out `width` updates and
+    the host's turn has to stay shorter than the chunk queued behind it."""
     return min(16, max(4, width // 4))
 
 
@@ -364,16 +364,20 @@ def serving_engine(target, drafter=None, method: str = "ar", block_size=None, tr
                    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, widths=None,
                    cost=None) -> Engine:  # fmt: skip
     """The slot pool a server runs (make_app's arguments): each slot `context` tokens, a
-    request up to all of them, chunks of `stream_steps` per width unless `chunk_steps`, a
-    host turn per finished share (SERVE_WAKE_SHARE) of the live slots."""
+    request up to all of them, a host turn per finished share (SERVE_WAKE_SHARE) of the
+    live slots. Chunks run `chunk_steps` steps if given (an int, or one per width), else as
+    few as keep the device busy through the host's turns, up to `stream_steps` per width:
+    tokens then reach their streams about as they are committed."""
     opts = api.check_options(target, drafter, method, block_size, tree_budget, None, None,
                              temperature, top_p, None)  # fmt: skip
     drafting = api.pool_drafting(opts, target, drafter, max_batch, context, context / 2,
                                  cost, widths)  # fmt: skip
-    if chunk_steps is None:
+    follow = chunk_steps is None
+    if follow:
         chunk_steps = {w: stream_steps(w) for w in ladder(max_batch, widths)}
     return Engine(target, max_batch, context, context - 1, chunk_steps=chunk_steps, seed=seed,
-                  widths=widths, wake_share=SERVE_WAKE_SHARE, **drafting)  # fmt: skip
+                  widths=widths, wake_share=SERVE_WAKE_SHARE, follow_host=follow,
+                  **drafting)  # fmt: skip
 
 
 def make_app(target, name: str, *, drafter=None, method: str = "ar", block_size=None,
