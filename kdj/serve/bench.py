@@ -208,7 +208,11 @@ def stats_delta(before: dict, after: dict, wall: float) -> dict:
         "host_share": (d("engine", "turn_s") - d("engine", "wait_s")) / wall,
         "idle_share": d("worker", "idle_s") / wall,
         "deliver_share": d("worker", "deliver_s") / wall,
+        # the device's own waits for the host between chunks queued back to back
+        "starved_share": (d("engine", "starved_s") / wall
+                          if "starved_s" in after["engine"] else None),
         "turns": turns, "chunks": chunks,
+        "chunk_steps": after.get("chunk_steps"),  # each width's steps at the level's end
         "turn_ms": 1e3 * d("engine", "turn_s") / turns if turns else float("nan"),
         "tokens_per_chunk": d("engine", "tokens") / chunks if chunks else float("nan"),
         "prefills": d("engine", "prefills"), "admitted": d("engine", "admitted"),
@@ -307,16 +311,18 @@ def run(url: str, prompts: list[str], concurrency: list[int], max_tokens: tuple[
 def table(report: dict) -> str:
     head = f"{'C':>5} {'reqs':>5} {'errs':>5} {'tok/s':>9} {'tok/s/user':>10} " \
            f"{'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} {'TPOT p50':>9} " \
-           f"{'host':>5} {'jit':>4}"  # fmt: skip
+           f"{'host':>5} {'starv':>5} {'jit':>4}"  # fmt: skip
     lines = [head]
     for r in report["rows"]:
         host = r.get("server", {}).get("host_share", float("nan"))
         jit = r.get("server", {}).get("compiles")
+        starved = r.get("server", {}).get("starved_share")
+        starved = float("nan") if starved is None else starved
         lines.append(f"{r['concurrency']:>5} {r['requests']:>5} {r['errors']:>5} "
                      f"{r['tok_s']:>9.1f} {r['tok_s_per_user']:>10.1f} "
                      f"{r['ttft_p50_s'] * 1e3:>7.0f}ms {r['ttft_p99_s'] * 1e3:>6.0f}ms "
                      f"{r['itl_p50_s'] * 1e3:>6.1f}ms {r['itl_p99_s'] * 1e3:>6.1f}ms "
-                     f"{r['tpot_p50_s'] * 1e3:>7.1f}ms {host:>5.2f} "
+                     f"{r['tpot_p50_s'] * 1e3:>7.1f}ms {host:>5.2f} {starved:>5.2f} "
                      f"{'-' if jit is None else jit:>4}")  # fmt: skip
     return "\n".join(lines)
 
