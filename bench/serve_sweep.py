@@ -37,6 +37,7 @@ import io
 import json
 import os
 import pstats
+import shlex
 import signal
 import subprocess
 import sys
@@ -59,7 +60,9 @@ from kdj.tokenizer import load_tokenizer  # noqa: E402
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", required=True, help="eval_prompts.json (kdj train-drafter)")
-    p.add_argument("--configs", nargs="+", required=True, help="run YAMLs, one server each")
+    p.add_argument("--configs", nargs="+", required=True,
+                   help="run YAMLs, one server each; YAML@FLAGS adds kdj serve flags to that "
+                   "server (e.g. 'configs/runs/smollm2.yaml@--chunk-steps 16')")  # fmt: skip
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     p.add_argument("--requests", type=int, default=64, help="per level, at least C")
     p.add_argument("--waves", type=int, default=1, help="per level, at least waves x C requests")
@@ -80,6 +83,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--ceiling-configs", nargs="+",
                    help="the run YAMLs whose ceiling is measured (default: --configs)")  # fmt: skip
+    p.add_argument(
+        "--no-ceiling-pool",
+        action="store_true",
+        help="the ceiling runs kdj.generate only, not the server's pool in-process",
+    )
     p.add_argument("--profile", help="a folder for cProfiles of the ceiling's in-process pool")
     p.add_argument("--max-batch", type=int, help="slots (default: the largest concurrency)")
     p.add_argument("--context", type=int, default=2048, help="tokens per slot")
@@ -133,12 +141,19 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError(f"no healthy server at {url} after {timeout:.0f} s")
 
 
+def server_command(config: str, args) -> list[str]:
+    """`kdj serve` for a --configs entry: YAML, or YAML@FLAGS with extra serve flags."""
+    slots = args.max_batch or max(args.concurrency)
+    yaml_path, _, flags = config.partition("@")
+    return [sys.executable, "-m", "kdj.cli", "serve", "--config", yaml_path, "--port",
+            str(args.port), "--max-batch", str(slots), "--context", str(args.context),
+            "--max-queue", str(4 * slots), "--warm", "greedy", *shlex.split(flags)]  # fmt: skip
+
+
 def sweep(config: str, prompts: list[str], args) -> dict:
     url = f"http://127.0.0.1:{args.port}"
     slots = args.max_batch or max(args.concurrency)
-    cmd = [sys.executable, "-m", "kdj.cli", "serve", "--config", config, "--port",
-           str(args.port), "--max-batch", str(slots), "--context", str(args.context),
-           "--max-queue", str(4 * slots), "--warm", "greedy"]  # fmt: skip
+    cmd = server_command(config, args)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=SERVER_ENV)
     workloads = []
@@ -188,7 +203,7 @@ def ceiling(config: str, prompts: list[str], args) -> list[dict]:
     from kdj.decode.requests import Request
     from kdj.serve.app import Compiles, serving_engine
 
-    run = load_run(config)
+    run = load_run(config.partition("@")[0])  # the in-process pool takes no serve flags
     dec = run["decode"]
     target = kdj.load_target(run["target"], dtype=dtype_name(run["dtype"]))
     drafter = kdj.load_drafter(run["drafter"], target=target) if run["drafter"] else None
@@ -215,7 +230,8 @@ def ceiling(config: str, prompts: list[str], args) -> list[dict]:
                 return closed_loop(engine, requests, w)
 
             row = {"config": config, "max_tokens": list(lengths), "max_batch": w, "requests": n}
-            for name, call in (("generate", generate), ("pool", pool)):
+            calls = (("generate", generate),) + (() if args.no_ceiling_pool else (("pool", pool),))
+            for name, call in calls:
                 t0 = time.perf_counter()
                 call()  # compiles every shape this workload meets
                 first = time.perf_counter() - t0
@@ -232,6 +248,12 @@ def ceiling(config: str, prompts: list[str], args) -> list[dict]:
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
+
+
+def label(config: str) -> str:
+    """A server's name in the plot: its YAML's stem and any serve flags."""
+    yaml_path, _, flags = config.partition("@")
+    return f"{Path(yaml_path).stem} {flags}".strip()
 
 
 def write_profile(profile: cProfile.Profile, path: Path) -> None:
@@ -257,7 +279,7 @@ def main(argv=None):
         for k, lengths in enumerate(args.workloads):
             name = "" if len(args.workloads) == 1 else f"_{lengths[0]}-{lengths[1]}"
             png = Path(args.out).with_name(Path(args.out).stem + name + ".png")
-            bench.plot({Path(r["config"]).stem: r["workloads"][k] for r in result["runs"]}, png)
+            bench.plot({label(r["config"]): r["workloads"][k] for r in result["runs"]}, png)
     for config in (args.ceiling_configs or args.configs) if args.ceiling else ():
         result["ceiling"] += ceiling(config, prompts, args)
         harness.write_result(Path(args.out), result, argv)

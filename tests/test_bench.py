@@ -619,3 +619,18 @@ def test_serve_sweep_closed_loop_runs_the_servers_pool(vocab12_pair):
     alone = kdj.generate(target, prompts, method="ar", max_new_tokens=budgets, stop_tokens=[])
     assert tokens == sum(len(t) for t in alone.tokens) == sum(budgets)
     assert peak[0] == 3 and not engine.busy
+
+
+def test_serve_sweep_config_flags():
+    """A --configs entry YAML@FLAGS starts its server with those flags: the YAML alone is
+    the run, the flags ride on the server's command line and into its plot label."""
+    sweep = load_bench("serve_sweep")
+    args = sweep.parser().parse_args(
+        ["--prompts", "p.json", "--configs", "a.yaml", "a.yaml@--chunk-steps 4", "--out", "o"]
+    )
+    assert args.configs == ["a.yaml", "a.yaml@--chunk-steps 4"]
+    assert [sweep.label(c) for c in args.configs] == ["a", "a --chunk-steps 4"]
+    plain, flagged = (sweep.server_command(c, args) for c in args.configs)
+    assert (
+        flagged == plain + ["--chunk-steps", "4"] and plain[plain.index("--config") + 1] == "a.yaml"
+    )

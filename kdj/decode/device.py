@@ -84,6 +84,9 @@ def run_chunk(pool_: pool.Pool, fn, ts, ds, bound, wake, queue: DeviceQueue) -> 
     pool_, report = fn(ts, ds, pool_, bound, wake)
     for x in jax.tree.leaves(report):  # the host reads them a chunk later
         x.copy_to_host_async()
+    # held until the chunk has run, as a GPU's while_loop holds it anyway: where dispatch is
+    # asynchronous (CPU) the thread's idle time would otherwise not be the device's
+    report.n.block_until_ready()
     return Ran(pool_, report, queue.idle_s, time.perf_counter() - t0)
 
 
