@@ -127,6 +127,37 @@ def test_a_row_does_not_depend_on_how_many_rows_there_are():
     np.testing.assert_array_equal(runs[1], runs[2][:5])
 
 
+@pytest.mark.parametrize(
+    "dtype, n, D, I, fixed_rows",
+    [
+        (jnp.bfloat16, 1, 576, 1536, False),  # SmolLM2 at one row: B split in 4
+        (jnp.float32, 70, 72, 200, True),  # ragged everywhere, two row blocks, B unsplit
+    ],
+)
+def test_both_kernels_lower_to_triton_modules_that_verify(dtype, n, D, I, fixed_rows,
+                                                          monkeypatch):  # fmt: skip
+    """Lowered for CUDA on this CPU, each Triton module passes MLIR's verifier (as the expert
+    kernels' test in test_moe.py): what XLA checks first on a GPU, and what an interpreted
+    run cannot catch."""
+    from jax._src.pallas.triton import lowering
+
+    verified, lower_to_triton = [], lowering.lower_jaxpr_to_triton_module
+
+    def lower_and_verify(*args, **kw):
+        out = lower_to_triton(*args, **kw)
+        getattr(out, "module", out).operation.verify()  # raises with the verifier's message
+        verified.append(True)
+        return out
+
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
+    inputs = [jnp.zeros(s, dtype) for s in ((n, D), (D,), (D, 2, I), (I, D))]
+    run = jax.jit(lambda x, w, gu, dn: dense_mlp.dense_mlp(x, w, 1e-5, gu, dn,
+                                                           fixed_rows=fixed_rows,
+                                                           interpret=False))  # fmt: skip
+    run.trace(*inputs).lower(lowering_platforms=("cuda",))
+    assert len(verified) == 2
+
+
 def test_unsupported_blocks_are_refused():
     x, norm, gate_up, down = block(2, 32, 48, jnp.float32)
     assert dense_mlp.supported(x, norm, gate_up, down)

@@ -4,10 +4,11 @@
     [D, 2, I], down [I, D], all one float dtype (bf16, f16 or f32), as the decoder block
     holds them (kdj/models/layers.py: RMSNorm, MLP)  ->  [n, D] in x's dtype.
 
-Why kernels. XLA runs this block as ~6 kernels (the norm's reduction and scale, the gate/up
-GEMM, SwiGLU, the down GEMM, the residual add); at decode and verify sizes (1 to ~64 rows)
-each reads a few KB of activations and the step is bound by launches, not bytes. Here it
-is two kernels, with float32 accumulation in registers:
+Why kernels. XLA runs this block as several kernels (the norm, the gate/up GEMM, SwiGLU,
+the down GEMM, the residual add, as far as its fusions do not merge them); at decode and
+verify sizes (1 to ~64 rows) each moves a few KB of activations besides its weights, so a
+small model's step is bound by launches. Here it is two kernels, with float32 accumulation
+in registers:
 
   A  rms_swiglu:     h = silu(g) * u, [g, u] = RMSNorm(x) @ gate_up      -> h [n, I], x's dtype
   B  down_residual:  y = x + h @ down                                    -> y [n, D]
@@ -40,9 +41,11 @@ float32 and h is rounded once; B rounds h @ down to the dtype before the residua
 Width invariance (deterministic mode). bk, bf and splits are chosen from the weights'
 shape alone and bm from the row count, so with `fixed_rows` (bm = 64 whatever n) every
 program runs the same tiles at any n and a row's bits do not depend on how many rows there
-are: the kernel policy may then run it at every row count in deterministic mode
-(KernelPolicy.dense_mlp_for). Without fixed_rows bm follows n (16, 32, 64), and on a GPU the
-MMA instruction may change with it.
+are (a row's sums meet no other row's values, and the slices' partials are added in slice
+order): the kernel policy may then run it at every row count in deterministic mode
+(KernelPolicy.dense_mlp_for). As for the fixed-tile matmuls, on a GPU this rests on Triton
+compiling the same MMA sequence for the same tiles. Without fixed_rows bm follows n (16,
+32, 64), and on a GPU the MMA instruction may change with it.
 
 Not covered: quantised weights (the dense MLP is always stored as floats in kdj) and
 weights split over devices (a pallas_call has no partitioning rule; kernels.choose refuses
