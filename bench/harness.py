@@ -105,6 +105,7 @@ KERNEL_CASES: dict[str, dict] = {
     "xla-heads": {"head_gemv": "xla"},  # MLA's absorbed per-head projections on XLA
     "xla-latent": {"latent_attention": "xla"},  # MLA attention on XLA's form
     "xla-experts": {"expert_gemv": "xla", "expert_grouped": "xla"},  # gather / ragged_dot
+    "fused-mlp": {"dense_mlp": "pallas"},  # dense MLP blocks as two fused kernels (opt-in)
     # deterministic mode, then with one of its parts back on XLA: where its cost lies
     "deterministic": {"deterministic": True},
     "det-xla-attention": {"deterministic": True, "attention": "xla"},  # XLA attention at T=1

@@ -22,7 +22,7 @@ XLA, PALLAS = "xla", "pallas"
 GRAPHED = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "DYNAMIC_SLICE_FUSION",
            "CONDITIONAL")  # fmt: skip
 FAMILIES = ("dense_gemv", "head_gemv", "attention", "latent_attention", "expert_gemv",
-            "expert_grouped")  # fmt: skip
+            "expert_grouped", "dense_mlp")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,8 @@ class KernelPolicy:
     latent_attention: str = XLA  # MLA absorbed attention (layers.attend_latent)
     expert_gemv: str = XLA  # gathered expert matvec: MoE at few assignments per expert
     expert_grouped: str = XLA  # grouped expert matmul: MoE at many (else XLA's ragged_dot)
+    # a decoder block's norm + SwiGLU MLP + residual as two fused kernels (pallas/dense_mlp.py)
+    dense_mlp: str = XLA
 
     # The dense GEMV takes weights of gemv_min_weights <= size < gemv_max_weights: below,
     # XLA fuses the one-row dot for free; from 16M up XLA's own dot streams at 2.7-4.2 TB/s.
@@ -44,6 +46,9 @@ class KernelPolicy:
     gemv_max_weights: int = 1 << 24
     # Programs a GEMV grid should fill (~2 per SM): with fewer, K is split into slices.
     gemv_programs: int = 256
+    # The fused dense MLP takes blocks of up to this many rows (B x T): it is built for the
+    # launch-bound decode and verify steps; bigger blocks (prefill) keep XLA's GEMMs.
+    dense_mlp_max_rows: int = 64
     # The latent kernel runs plain decode from this cache capacity up, and any step with at
     # least latent_min_rows query rows (T x heads), where the reference's [T, H, S] f32
     # scores grow too big; between those XLA's large matmuls are faster.
@@ -94,13 +99,16 @@ class KernelPolicy:
                self.decode_split_blocks, self.fixed_split_inputs,
                self.attention_nodes_per_tile) < 1:  # fmt: skip
             raise ValueError("KernelPolicy program counts and split blocks must be >= 1")
+        if self.dense_mlp_max_rows < 1:
+            raise ValueError("KernelPolicy.dense_mlp_max_rows must be >= 1")
 
     @staticmethod
     def default(backend: str, sharded: bool = False) -> KernelPolicy:
         """The measured choice for a backend ("gpu", "cpu", ...) and for whether the model's
         weights are split over devices: off the GPU the XLA reference everywhere; on it every
         Pallas kernel, except the dense and head GEMVs of a sharded model (a pallas_call has
-        no partitioning rule, so split weights stay with XLA)."""
+        no partitioning rule, so split weights stay with XLA) and the fused dense MLP, which
+        is opt-in (dense_mlp="pallas"): no GPU measurement has chosen it yet."""
         if backend != "gpu":
             return KernelPolicy()
         gemv = XLA if sharded else PALLAS
@@ -125,6 +133,13 @@ class KernelPolicy:
             and rows == 1
             and self.gemv_min_weights <= weights < self.gemv_max_weights
         )
+
+    def dense_mlp_for(self, rows: int) -> bool:
+        """Whether a dense MLP block of `rows` rows (norm, SwiGLU, down, residual) runs the
+        fused kernels: up to dense_mlp_max_rows rows; in deterministic mode at every row
+        count, on row tiles fixed at 64 (its tiles then do not depend on the row count, so a
+        row's bits do not either; dense_mlp.py)."""
+        return self.dense_mlp == PALLAS and (self.deterministic or rows <= self.dense_mlp_max_rows)
 
     def head_gemv_for(self, rows: int) -> bool:
         """Whether per-head matmuls of `rows` rows per head run the GEMV (no size floor: XLA's
@@ -225,9 +240,10 @@ def choose(kernels: KernelPolicy | None, sharding=None, backend: str | None = No
         return KernelPolicy.default(backend or jax.default_backend(), sharded)
     if not isinstance(kernels, KernelPolicy):
         raise TypeError(f"kernels must be a kdj.kernels.KernelPolicy, not {type(kernels)}")
-    if sharded and PALLAS in (kernels.dense_gemv, kernels.head_gemv):
+    if sharded and PALLAS in (kernels.dense_gemv, kernels.head_gemv, kernels.dense_mlp):
         raise ValueError(
-            "the Pallas dense and head GEMVs cannot take weights split over a mesh: give a "
-            "sharded model dense_gemv='xla' and head_gemv='xla'"
+            "the Pallas dense and head GEMVs and the fused dense MLP cannot take weights split "
+            "over a mesh: give a sharded model dense_gemv='xla', head_gemv='xla' and "
+            "dense_mlp='xla'"
         )
     return kernels

@@ -27,7 +27,8 @@ TINY_MLA = dict(model_type="deepseek_v3", vocab_size=64, hidden_size=64, interme
 def test_defaults_per_backend_and_sharding():
     cpu, gpu = KernelPolicy.default("cpu"), KernelPolicy.default("gpu")
     assert cpu == KernelPolicy() and all(getattr(cpu, f) == "xla" for f in FAMILIES)
-    assert all(getattr(gpu, f) == "pallas" for f in FAMILIES)
+    assert all(getattr(gpu, f) == "pallas" for f in FAMILIES if f != "dense_mlp")
+    assert gpu.dense_mlp == "xla"  # opt-in (kdj/kernels.py: KernelPolicy.default)
     split = KernelPolicy.default("gpu", sharded=True)
     assert split.dense_gemv == split.head_gemv == "xla"  # a pallas_call cannot take split weights
     assert split.replace(dense_gemv="pallas", head_gemv="pallas") == gpu

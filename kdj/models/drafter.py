@@ -184,7 +184,7 @@ class DrafterLayer(nnx.Module):
         u = self.attn_norm(x)
         if self.attention_conv is None:
             x = x + attend(u)
-            return x + self.mlp(self.mlp_norm(x))
+            return self.mlp.residual(x, self.mlp_norm)
         u, delta = self.attention_conv.prepare(u)
         x = x + self.attention_conv.finish(attend(u), delta)
         u, delta = self.mlp_conv.prepare(self.mlp_norm(x))

@@ -16,7 +16,7 @@ from flax import nnx
 
 from kdj.config import ModelConfig
 from kdj.kernels import KernelPolicy
-from kdj.pallas import expert_gemv, expert_grouped, tree_attention
+from kdj.pallas import dense_mlp, expert_gemv, expert_grouped, tree_attention
 
 NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax rather than NaN
 
@@ -168,6 +168,19 @@ class MLP(nnx.Module):
     def __call__(self, x):
         h = matmul(x, self.gate_up[...], self.kernels)  # [..., 2, I]
         return self.down(jax.nn.silu(h[..., 0, :]) * h[..., 1, :])
+
+    def residual(self, x, norm: RMSNorm):
+        """x + self(norm(x)): a decoder block's MLP half. Where the kernel policy takes it
+        for this many rows (dense_mlp_for), the two fused Pallas kernels of
+        kdj/pallas/dense_mlp.py, which fold the norm and the residual add in; else XLA."""
+        rows = math.prod(x.shape[:-1])
+        w, gate_up, down = norm.weight[...], self.gate_up[...], self.down.kernel[...]
+        if not (self.kernels.dense_mlp_for(rows) and dense_mlp.supported(x, w, gate_up, down)):
+            return x + self(norm(x))
+        y = dense_mlp.dense_mlp(x.reshape(rows, x.shape[-1]), w, norm.eps, gate_up, down,
+                                programs=self.kernels.gemv_programs,
+                                fixed_rows=self.kernels.deterministic)  # fmt: skip
+        return y.reshape(x.shape)
 
 
 # ---------------------------------------------------------------------------------- RoPE

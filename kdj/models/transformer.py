@@ -40,6 +40,8 @@ class Block(nnx.Module):
     def __call__(self, x, positions, start, tree, k_cache, v_cache):
         h, k_cache, v_cache = self.attn(self.attn_norm(x), positions, start, tree, k_cache, v_cache)
         x = x + h
+        if isinstance(self.mlp, MLP):  # the norm and residual may fuse into its kernels
+            return self.mlp.residual(x, self.mlp_norm), k_cache, v_cache
         return x + self.mlp(self.mlp_norm(x)), k_cache, v_cache
 
 

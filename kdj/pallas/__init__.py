@@ -14,6 +14,11 @@
   gather threshold (``kdj.models.deepseek.expert_swiglu_grouped``; reference: XLA's
   ``ragged_dot`` in ``expert_swiglu``).
 
+* ``dense_mlp``: a dense decoder block's MLP half, RMSNorm + gate/up + SwiGLU in one kernel
+  and down + the residual add in another, for decode and verify row counts; used by
+  ``kdj.models.layers.MLP.residual`` where the policy's ``dense_mlp`` is "pallas" (reference:
+  ``dense_mlp.reference``, the same ops as the XLA path).
+
 Which one runs, and its thresholds, is the model's kernel policy (kdj/kernels.py). All use
 the Triton lowering, interpreted off the GPU (tests, CI).
 """
