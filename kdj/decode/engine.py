@@ -100,7 +100,8 @@ class Engine:
     position p is sampled with a key from (its seed, p), so its samples do not depend on its
     neighbours; without a seed of its own it gets one from `seed` and its id. The device
     runs `chunk_steps` steps at most (an int, or one per width: a mapping width -> steps;
-    fewer steps stream tokens sooner, more give the host longer turns), and returns early
+    fewer steps stream tokens sooner, more give the host longer turns; with `follow_host`,
+    as few of them as keep the device busy through the host's turns), and returns early
     once `wake` slots, or the share
     `wake_share` of the live ones if more, have finished: 1 serves each finished request at
     once; more keeps finished slots idle a little longer for fewer host turns (serving many
@@ -381,12 +382,12 @@ class Engine:
                              options=self._xla, plan=plan, width=window)  # fmt: skip
 
     def _follow(self, width: int, starved_s: float, ran_s: float) -> None:
-        """The device waited `starved_s` for the host since the chunk before this one (`ran_s`
-        long) started, though the host had queued this one behind it. With follow_host, a
-        wait worth counting doubles the steps of this width's chunks (up to its bound): the
-        host's turn needs a longer chunk to hide behind. CALM_CHUNKS chunks in a row without
-        one take a step off (down to 1), so tokens reach their streams as soon as the host
-        keeps up."""
+        """The device waited `starved_s` for the host since the chunk before this one (this
+        one ran `ran_s`) started, though the host had queued this one behind it. With
+        follow_host, a wait worth counting doubles the steps of this width's chunks (up to
+        its bound): the host's turn needs a longer chunk to hide behind. CALM_CHUNKS chunks
+        in a row without one take a step off (down to 1), so tokens reach their streams as
+        soon as the host keeps up."""
         self.stats.starved_s += starved_s
         waited = starved_s > max(STARVED_S, STARVED_SHARE * ran_s)
         self.stats.starved += waited
