@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kdj.cli import values
 from kdj.config import ModelConfig
 from kdj.models.deepseek import quantize_experts, route
 
@@ -340,6 +341,14 @@ def run(args) -> dict:
     return result
 
 
+def token_shape(text: str) -> tuple[int, int]:
+    """--moe-shapes' BxT, both positive."""
+    b, x, t = text.partition("x")
+    if not (x and b.isdigit() and t.isdigit() and int(b) > 0 and int(t) > 0):
+        raise argparse.ArgumentTypeError(f"must be BxT, two positive integers (got {text!r})")
+    return int(b), int(t)
+
+
 def parser(prog: str = "roofline") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
@@ -359,31 +368,39 @@ def parser(prog: str = "roofline") -> argparse.ArgumentParser:
         choices=["bf16", "int4", "fp8"],
         help="routed-expert formats, bf16 first (MoE models only)",
     )
-    p.add_argument("--layers", type=int, help="keep only the first N layers (a model slice)")
     p.add_argument(
-        "--batches", nargs="+", type=int, default=[1, 4, 16, 64, 256], help="batch sizes B"
+        "--layers", type=values.POSITIVE, help="keep only the first N layers (a model slice)"
     )
+    p.add_argument(
+        "--batches", nargs="+", type=values.POSITIVE, default=[1, 4, 16, 64, 256],
+        help="batch sizes B",
+    )  # fmt: skip
     p.add_argument(
         "--tokens",
         nargs="+",
-        type=int,
+        type=values.POSITIVE,
         default=[1, 8, 16],
         help="new tokens per sequence per step (1 = AR, 8/16 = verify)",
     )
     p.add_argument(
         "--moe-shapes",
         nargs="+",
-        type=lambda s: tuple(map(int, s.split("x"))),
+        type=token_shape,
         default=[(1, 16), (256, 16)],
         help="BxT token shapes for the MoE layer alone",
     )
-    p.add_argument("--context", type=int, default=512, help="tokens already in the cache")
-    p.add_argument("--max-tokens", type=int, help="skip steps of more than this many tokens")
-    p.add_argument("--dtype", default="bfloat16", help="weights and activations dtype")
-    p.add_argument("--repeats", type=int, default=10, help="steps timed back to back per shape")
+    p.add_argument("--context", type=values.COUNT, default=512, help="tokens already in the cache")
     p.add_argument(
-        "--matmul-size", type=int, default=8192, help="N of the N^3 matmul that sets the FLOP rate"
+        "--max-tokens", type=values.POSITIVE, help="skip steps of more than this many tokens"
     )
+    p.add_argument("--dtype", default="bfloat16", help="weights and activations dtype")
+    p.add_argument(
+        "--repeats", type=values.POSITIVE, default=10, help="steps timed back to back per shape"
+    )
+    p.add_argument(
+        "--matmul-size", type=values.POSITIVE, default=8192,
+        help="N of the N^3 matmul that sets the FLOP rate",
+    )  # fmt: skip
     p.add_argument("--out", help="JSON path; .md and .png are written beside it")
     p.add_argument(
         "--fit-cost",
@@ -398,6 +415,17 @@ def main(argv=None, prog: str = "roofline"):
     argv = sys.argv[1:] if argv is None else argv
     p = parser(prog)
     args = p.parse_args(argv)
+    # found before the FLOP-rate matmul and the first model, not after them
+    try:
+        jnp.dtype(args.dtype)
+        for name in args.models:
+            if name != "smollm2-135m-instruct":
+                harness.model_config(name, args.layers)
+        for flag in ("--out", "--fit-cost"):
+            if getattr(args, flag[2:].replace("-", "_")):
+                values.output(getattr(args, flag[2:].replace("-", "_")), flag)
+    except (OSError, TypeError, ValueError) as e:
+        p.error(str(e))
     if args.fit_from:
         if not args.fit_cost or len(args.models) != 1 or len(args.experts) != 1:
             p.error("--fit-from needs --fit-cost, one --models and one --experts")

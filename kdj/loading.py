@@ -7,7 +7,7 @@ from pathlib import Path
 from flax import nnx
 
 from kdj import arguments
-from kdj.checkpoints.dflash import load_calibration, load_drafter_checkpoint
+from kdj.checkpoints.dflash import load_calibration, load_drafter_checkpoint, read_drafter_config
 from kdj.checkpoints.gguf import read_gguf, smollm2_gguf_path
 from kdj.checkpoints.hf_safetensors import HFCheckpoint
 from kdj.checkpoints.loader import load_hf, load_params
@@ -48,6 +48,22 @@ def drafter_path(source) -> Path:
             f"name ({', '.join(BUILTIN_DRAFTERS)})"
         )
     return path
+
+
+def check_target(source) -> None:
+    """The target `source` is a checkpoint kdj reads, judged from its files and config alone
+    (ValueError / FileNotFoundError naming the problem), so the CLI refuses it before loading."""
+    path = target_path(source)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path}: a target file must be .gguf (or pass a checkpoint dir)")
+    elif not is_orbax_dir(path):
+        ModelConfig.from_json(HFCheckpoint(path).config_path)
+
+
+def drafter_config(source):
+    """The drafter `source`'s config (DrafterConfig), read and checked without its weights."""
+    return read_drafter_config(HFCheckpoint(drafter_path(source)))
 
 
 def weights_dtype(dtype):

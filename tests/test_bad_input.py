@@ -8,8 +8,10 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import re
 import shutil
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -470,6 +472,21 @@ def test_kdj_bench_help_names_kdj_bench_and_every_default(capsys):
     assert "steps timed back to back per shape (default: 10)" in out  # --repeats
 
 
+@pytest.mark.parametrize(
+    "argv, msg",
+    [(["--models", "nope"], r"no model config .*nope.yaml \(configs/models has "),
+     (["--batches", "0"], "argument --batches: must be >= 1"),
+     (["--moe-shapes", "16"], "argument --moe-shapes: must be BxT, two positive integers"),
+     (["--fit-cost", "configs"], "--fit-cost configs is a directory: give a file name")],
+)  # fmt: skip
+def test_kdj_bench_refuses_bad_input_before_timing_anything(capsys, argv, msg):
+    """Each in a usage error, before the FLOP-rate matmul (minutes on a CPU) and the model."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", *argv])
+    assert exit_.value.code == 2
+    assert re.search(f"kdj bench: error: {msg}", capsys.readouterr().err)
+
+
 # ---------------------------------------------------------- property test over generate
 # Valid arguments (few distinct shapes, so compiled programs are reused: two prompts of at
 # most 5 tokens, max(max_new_tokens) = 4, the default cache), then at most one replaced by a
@@ -678,6 +695,38 @@ def test_train_yaml_booleans_are_yaml_booleans():
         TrainConfig.from_dict({"eval": {"deterministic": 1}})
 
 
+@pytest.mark.parametrize(
+    "d, msg",
+    [({"optim": {"steps": -5}}, "optim.steps must be an integer >= 1, got -5"),
+     ({"optim": {"steps": 1.5}}, "optim.steps must be an integer >= 1, got 1.5"),
+     ({"optim": {"lr": "fast"}}, "optim.lr must be a number > 0, got 'fast'"),
+     ({"optim": {"lr": float("inf")}}, "optim.lr must be a number > 0, got inf"),
+     ({"optim": {"warmup_frac": 2}}, "optim.warmup_frac must be a number >= 0 and <= 1"),
+     ({"drafter": {"num_layers": 0}}, "drafter.num_layers must be an integer >= 1"),
+     ({"drafter": {"block_size": 1}}, "drafter.block_size must be an integer >= 2"),
+     ({"drafter": {"target_layer_ids": [0, -1]}}, "target_layer_ids must be a list, each item"),
+     ({"drafter": 5}, "drafter must be a mapping of its fields, got 5"),
+     ({"data": {"num_conversations": 0}}, "data.num_conversations must be an integer >= 1"),
+     ({"eval": {"num_prompts": -1}}, "eval.num_prompts must be an integer >= 1"),
+     ({"out_dir": 5}, "^out_dir must be a non-empty string, got 5"),
+     ({"online": {"sharegpt_temperatures": [-1]}}, "sharegpt_temperatures must be a list"),
+     ({"online": {"compare": {"x": {"num_layers": 0}}}}, "online.compare.x.num_layers must be")],
+)  # fmt: skip
+def test_train_yaml_numbers_are_checked_when_read(d, msg):
+    """Each is refused as the YAML is read, not after hours of regenerating responses."""
+    from kdj.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match=msg):
+        TrainConfig.from_dict(d)
+
+
+def test_shipped_train_yamls_pass_the_check():
+    from kdj.train.config import TrainConfig
+
+    for path in sorted(Path("configs/train").glob("*.yaml")):
+        TrainConfig.from_yaml(path)
+
+
 # ------------------------------------------- the command line: one line, before any load
 def never_loads(monkeypatch):
     """Any model load fails the test: the command must have refused its input first."""
@@ -770,3 +819,27 @@ def test_default_dtype_is_float32_on_a_cpu(ckpt):
     assert kdj.load_target(ckpt).dtype == "float32"
     assert "dtype=float32" in repr(kdj.load_drafter("smollm2-135m-dflash-b16"))
     assert kdj.load_target(ckpt, dtype="bfloat16").dtype == "bfloat16"
+
+
+def test_a_wrong_kind_of_target_or_drafter_is_named_before_anything_loads(monkeypatch, ckpt,
+                                                                        tmp_path):  # fmt: skip
+    never_loads(monkeypatch)
+    asset = str(Path(kdj.__file__).parent / "assets" / "smollm2-135m-dflash-b16")
+    cases = [
+        (["--method", "dflash", "--drafter", "README.md"],
+         r"README.md is a file: a checkpoint is a directory"),
+        (["--method", "dflash", "--drafter", str(tmp_path)], f"{tmp_path} has no config.json"),
+        (["--method", "dflash", "--drafter", str(ckpt)], "not a DFlash or DFlash2 drafter"),
+        (["--target", asset, "--method", "ar"], "is a DFlash drafter checkpoint, not a target"),
+        (["--target", "README.md", "--method", "ar"], "a target file must be .gguf"),
+        (["--method", "dflash", "--drafter", asset, "--block-size", "17"],
+         r"--block-size must be in \[2, 16\] for drafter .* \(got 17\)"),
+    ]  # fmt: skip
+    for argv, msg in cases:
+        with pytest.raises(SystemExit, match=f"^kdj generate: .*{msg}"):
+            main(["generate", *argv])
+    (tmp_path / "run.yaml").write_text(f"drafter: {asset}\ndecode:\n  block_size: 99\n")
+    with pytest.raises(SystemExit, match=r"run.yaml: decode.block_size must be in \[2, 16\]"):
+        main(["serve", "--config", str(tmp_path / "run.yaml")])
+    with pytest.raises(SystemExit, match="kdj tune: README.md is a file"):
+        main(["tune", "--drafter", "README.md"])

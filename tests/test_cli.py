@@ -3,6 +3,7 @@ writes an Orbax checkpoint that loads back to identical logits."""
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import numpy as np
@@ -140,6 +141,41 @@ def test_train_drafter_overrides_reach_the_config(monkeypatch):
         main([*args, "--resume-state", "w/resume/resume.json"])
 
 
+@pytest.mark.parametrize(
+    "argv, msg",
+    [(["--init-from", "nope"], "--init-from: drafter 'nope' not found"),
+     (["--init-from", "README.md"], "--init-from: README.md is a file: a checkpoint is a dir"),
+     (["--target", "nope"], "--target: target 'nope' not found"),
+     (["--out-dir", "README.md"], "--out-dir README.md is a file: give a folder"),
+     (["--resume-state", "x"], "--resume-state continues an online campaign")],
+)  # fmt: skip
+def test_train_drafter_checks_its_sources_before_the_data(monkeypatch, argv, msg):
+    import kdj.train.loop
+
+    def never(cfg):
+        raise AssertionError("training started before its sources were checked")
+
+    monkeypatch.setattr(kdj.train.loop, "run_training", never)
+    with pytest.raises(SystemExit, match=f"^kdj train-drafter: {msg}"):
+        main(["train-drafter", "--config", "configs/train/smollm2-b16.yaml", *argv])
+
+
+def test_a_config_of_another_command_says_whose_it_is(no_loading):
+    with pytest.raises(SystemExit, match=r"unknown keys .*reads as a training YAML \(kdj "
+                       "train-drafter --config\\)"):  # fmt: skip
+        main(["generate", "--config", "configs/train/smollm2-b16.yaml"])
+    with pytest.raises(SystemExit, match="reads as a mesh YAML"):
+        main(["generate", "--config", "configs/meshes/single.yaml"])
+    with pytest.raises(SystemExit, match="reads as a run YAML .kdj generate / serve --config"):
+        main(["train-drafter", "--config", "configs/runs/smollm2.yaml"])
+
+
+def test_train_drafter_names_the_configs_field(monkeypatch, tmp_path):
+    (tmp_path / "t.yaml").write_text("drafter:\n  init_from: nope\n")
+    with pytest.raises(SystemExit, match=f"{tmp_path}/t.yaml: drafter.init_from: drafter 'nope'"):
+        main(["train-drafter", "--config", str(tmp_path / "t.yaml")])
+
+
 def test_eval_acceptance_compares_drafters_against_one_ar_run(tmp_path, capsys):
     """Several drafters in one process: a report each, one shared AR run, a side-by-side
     table; in deterministic mode two copies of one drafter get the same tau."""
@@ -151,17 +187,21 @@ def test_eval_acceptance_compares_drafters_against_one_ar_run(tmp_path, capsys):
     prompts.write_text(json.dumps({"sharegpt": ["Name three colours."]}))
     out = tmp_path / "acc"
     argv = ["eval-acceptance", "--drafter", f"shipped={ASSET}", str(copy), "--prompts",
-            str(prompts), "--datasets", "sharegpt", "--num-prompts", "1", "--max-new-tokens",
+            str(prompts), "--datasets", "sharegpt", "--num-prompts", "2", "--max-new-tokens",
             "6", "--budgets", "4", "--temperatures", "0", "--dtype", "bfloat16",
             "--deterministic", "--out", str(out)]  # fmt: skip
     assert main(argv) == 0
     got = {k: json.loads((out / k / "acceptance.json").read_text()) for k in ("shipped", "copy")}
     assert all(g["meta"]["deterministic"] for g in got.values())
+    # the file holds one prompt: the report says one ran, and so does stderr
+    assert all(g["meta"]["num_prompts"] == {"sharegpt": 1} for g in got.values())
     res = {k: g["results"]["sharegpt"]["T=0"] for k, g in got.items()}
     assert res["shipped"]["ar"] == res["copy"]["ar"]  # the same run, not a second one
     assert res["shipped"]["dflash"]["tau"] == res["copy"]["dflash"]["tau"] > 1
     assert res["shipped"]["ddtree"]["4"]["tau"] == res["copy"]["ddtree"]["4"]["tau"]
-    table = capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "has 1 sharegpt prompts, fewer than --num-prompts 2: running 1" in printed.err
+    table = printed.out
     assert "| sharegpt | 0 | shipped |" in table and "| sharegpt | 0 | copy |" in table
     with pytest.raises(SystemExit, match="two drafters are labelled 'copy'"):
         main(["eval-acceptance", "--drafter", str(copy), f"copy={ASSET}", "--out", str(out)])
@@ -208,6 +248,7 @@ def no_loading(monkeypatch):
      (["generate", "--logprobs", "21"], r"--logprobs: must be in \[0, 20\] \(got 21\)"),
      (["generate", "--logprobs", "-1"], r"--logprobs: must be in \[0, 20\]"),
      (["generate", "--dtype", "float64"], "--dtype: invalid choice"),
+     (["convert", "smollm2-135m-instruct", "x", "--dtype", "auto"], "--dtype: invalid choice"),
      (["generate", "--method", "ar", "--block-size", "4"], "--block-size applies to"),
      (["generate", "--method", "ar", "--tree-budget", "4"], "--tree-budget applies to"),
      (["generate", "--method", "dflash"], r"needs a drafter \(--drafter\)"),
@@ -216,6 +257,10 @@ def no_loading(monkeypatch):
      (["eval-acceptance", "--drafter", "x", "--budgets", "0"], "--budgets: must be >= 1"),
      (["calibrate", "--drafter", "x", "--temperatures", "0"], "--temperatures: must be > 0"),
      (["tune", "--drafter", "x", "--batch", "0"], "--batch: must be >= 1"),
+     (["calibrate", "--drafter", ASSET, "--method", "dflash", "--tree-budget", "8"],
+      "--tree-budget applies to --method ddtree, not dflash"),
+     (["tune", "--drafter", ASSET, "--menu", "chain", "bogus"], "bad --menu entry 'bogus'"),
+     (["tune", "--drafter", ASSET, "--menu", "chain40"], r"--menu entry 'chain40': .*1..15"),
      (["train-drafter", "--config", "c.yaml", "--steps", "0"], "--steps: must be >= 1")],
 )  # fmt: skip
 def test_flags_are_checked_before_any_model_loads(no_loading, argv, msg):
@@ -236,6 +281,7 @@ def test_flags_are_checked_before_any_model_loads(no_loading, argv, msg):
      ("decode:\n  seed: [1, 2]\n", r"decode.seed has 2 entries, one per prompt, for 1 prompt"),
      ("decode:\n  max_new_tokens: [3, 4]\n", "decode.max_new_tokens has 2 entries"),
      ("decode:\n  method: ar\n  block_size: 4\n", "decode.block_size applies to .* not .*'ar'"),
+     ("decode:\n  block_size: 4\n", "decode.block_size applies to .*'auto' without a drafter"),
      ("decode:\n  cost: bogus\n", "decode.cost 'bogus' is not a file.*tune.*estimate"),
      ("dtype: float64\n", "dtype 'float64' is not supported"),
      ("target: 3\n", "target must be a name or path"),
@@ -247,6 +293,19 @@ def test_run_yaml_values_are_checked_before_any_model_loads(no_loading, tmp_path
     run.write_text(yaml)
     with pytest.raises(SystemExit, match=f"kdj generate: {run}.*{msg}"):
         main(["generate", "--config", str(run)])
+
+
+@pytest.mark.parametrize(
+    "yaml, msg",
+    [("decode:\n  method: dflash\n", r"method 'dflash' needs a drafter \(a drafter: field in "),
+     ("decode:\n  block_size: 4\n", "{run}: decode.block_size applies to"),
+     ("target: {asset}\n", r".* not a target: pass it as the drafter \(the run YAML's drafter:\)")],
+)  # fmt: skip
+def test_serve_names_the_run_yamls_fields_it_has_no_flags_for(no_loading, tmp_path, yaml, msg):
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.format(asset=ASSET))
+    with pytest.raises(SystemExit, match=f"^kdj serve: {msg.format(run=run)}"):
+        main(["serve", "--config", str(run)])
 
 
 def test_serve_refuses_a_run_yamls_per_prompt_lists(no_loading, tmp_path):
@@ -275,6 +334,63 @@ def test_eval_acceptance_prompts_file_is_checked_before_any_model_loads(no_loadi
     path.write_text('{"sharegpt": ["Hi"], "humaneval": []}')
     with pytest.raises(AssertionError, match="a model was loaded"):  # read: the load comes next
         main(argv)
+
+
+@pytest.mark.parametrize(
+    "argv, msg",
+    [(["--out", "{tmp}"], "--out {tmp} is a directory: give a file name"),
+     (["--out", "{tmp}/file/r.json"], "--out {tmp}/file/r.json: {tmp}/file is a file, not a"),
+     (["--plot", "{tmp}/file/r.png"], "--plot {tmp}/file/r.png: {tmp}/file is a file"),
+     (["--prompts", "{tmp}/p.json", "--out", "{tmp}/p.json"],
+      "--out {tmp}/p.json is the --prompts file: writing there would overwrite it"),
+     (["--out", "{tmp}/r.json", "--plot", "{tmp}/r.json"], "--plot {tmp}/r.json is the --out file"),
+     (["--max-tokens", "1", "2", "3"], r"--max-tokens: give N, or LO HI .* \(got 1 2 3\)"),
+     (["--max-tokens", "9", "2"], "--max-tokens: give N, or LO HI with LO <= HI")],
+)  # fmt: skip
+def test_bench_serve_checks_what_it_writes_before_the_sweep(monkeypatch, tmp_path, argv, msg):
+    from kdj.serve import bench
+
+    def never(*a, **k):
+        raise AssertionError("the sweep ran before the arguments were checked")
+
+    monkeypatch.setattr(bench, "run", never)
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "p.json").write_text('["Hi"]')
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    with pytest.raises(SystemExit, match=f"^kdj bench-serve: {msg.format(tmp=tmp_path)}"):
+        main(["bench-serve", *argv])
+    assert (tmp_path / "p.json").read_text() == '["Hi"]'
+
+
+def test_bench_serve_makes_the_folders_it_writes_in(monkeypatch, tmp_path):
+    from kdj.serve import bench
+
+    report = {"model": "m", "rows": []}
+    monkeypatch.setattr(bench, "run", lambda *a, **k: report)
+    monkeypatch.setattr(bench, "table", lambda r: "")
+    (tmp_path / "p.json").write_text('["Hi"]')
+    out = tmp_path / "new" / "sweep.json"
+    main(["bench-serve", "--prompts", str(tmp_path / "p.json"), "--out", str(out)])
+    assert out.exists()
+
+
+def test_bench_serve_takes_an_openai_base_url(monkeypatch, tmp_path):
+    from kdj.serve import bench
+
+    seen = []
+    monkeypatch.setattr(bench, "run", lambda url, *a, **k: seen.append(url) or {"rows": []})
+    monkeypatch.setattr(bench, "table", lambda r: "")
+    (tmp_path / "p.json").write_text('["Hi"]')
+    for url in ("http://h:1/v1", "http://h:1/v1/", "http://h:1"):
+        main(["bench-serve", "--url", url, "--prompts", str(tmp_path / "p.json")])
+    assert seen == ["http://h:1"] * 3
+
+
+def test_eval_acceptance_out_is_checked_before_any_model_loads(no_loading, tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit, match=f"--out {tmp_path}/file is a file: give a folder"):
+        main(["eval-acceptance", "--drafter", "smollm2-135m-dflash-b16", "--out",
+              str(tmp_path / "file")])  # fmt: skip
 
 
 def test_method_flag_over_a_run_yaml_drops_what_it_does_not_use(capsys):
@@ -350,3 +466,67 @@ def test_status_line_off_a_terminal_is_one_line():
     with Status("compiling", stream):
         pass
     assert stream.getvalue() == "compiling ...\n"
+
+
+def test_generate_summary_says_none_for_a_mean_over_no_steps(capsys):
+    from kdj.cli.generate import print_stats
+
+    nan = float("nan")
+    print_stats({"method": "ddtree", "acceptance_histogram": [], "tree_budget": 29,
+                 "tree_budget_requested": 64, "mean_tree_size": nan, "mean_accepted_depth": nan,
+                 "new_tokens": 1, "steps": 0, "mean_acceptance": nan, "tokens_per_s": nan,
+                 "prefill_s": 0.1, "decode_s": 0.0, "compile_s": 1.0})  # fmt: skip
+    out = capsys.readouterr().out
+    assert "nan" not in out
+    assert "histogram: none (no decode step)" in out
+    assert "tree budget 29 (of 64 asked: what fits the cache), mean tree size none" in out
+    assert "mean acceptance none, none tok/s" in out
+
+
+def test_serve_refuses_a_pool_whose_cache_cannot_fit(monkeypatch):
+    """Found once the model loaded, before the warm-up, which the OS killed without a word."""
+    import socket
+
+    from kdj.cli import serve
+
+    monkeypatch.setattr(serve, "free_memory", lambda: 2**30)
+    with socket.socket() as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    with pytest.raises(
+        SystemExit,
+        match=r"a pool of 64 slots x 2048 tokens needs 5.6 GiB of KV "
+        r"cache \(90 MiB a slot\), more than the 1.0 GiB free: lower --max-batch",
+    ):
+        main(["serve", "--max-batch", "64", "--port", port])
+    with pytest.raises(
+        SystemExit,
+        match=r"--context 9000 exceeds the model's "
+        r"max_position_embeddings \(8192\).*--context 8192 or less",
+    ):
+        main(["serve", "--max-batch", "1", "--context", "9000", "--port", port])
+
+
+def test_calibrate_checks_where_it_saves_before_the_runs(no_loading, tmp_path):
+    import shutil
+
+    copy = shutil.copytree(ASSET, tmp_path / "d")
+    (copy / "calibration.json").unlink(missing_ok=True)
+    (copy / "calibration.json").mkdir()
+    with pytest.raises(SystemExit, match=r"--save .*calibration.json is a directory"):
+        main(["calibrate", "--drafter", str(copy), "--save"])
+
+
+def test_generate_logprobs_give_a_split_character_to_the_token_that_completes_it(capsys):
+    """Byte tokens of one character each decode alone to U+FFFD: the table shows '' for
+    those before its last byte and the character at the last, as kdj serve does."""
+    from kdj.checkpoints.gguf import smollm2_gguf_path
+    from kdj.cli.generate import print_logprobs
+    from kdj.decode.logprobs import TokenLogprob
+
+    tok = kdj.load_tokenizer(smollm2_gguf_path())
+    ids = tok.encode("日本")
+    assert len(ids) > 2 and tok.decode(ids[:1]) == "\ufffd"
+    print_logprobs(tok, ids, [TokenLogprob(-1.0, [(t, -1.0)]) for t in ids], 0)
+    pieces = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]]
+    assert "".join(map(ast.literal_eval, pieces)) == "日本" and "\ufffd" not in "".join(pieces)

@@ -1160,7 +1160,7 @@ def test_compare_entries_take_optim_overrides_and_reject_unknown_keys():
         OnlineConfig(compare={"g": {"optim": {"lr_x": 1.0}}})
     with pytest.raises(ValueError, match="optim.labels must be one of"):
         TrainConfig.from_dict({"optim": {"labels": "argmax"}})
-    with pytest.raises(ValueError, match="optim.passes must be a positive number"):
+    with pytest.raises(ValueError, match="optim.passes must be an integer >= 1, got 0"):
         TrainConfig.from_dict({"optim": {"passes": 0}})
     with pytest.raises(ValueError, match=r"sequences_per_round \(8\) is less than one batch"):
         TrainConfig.from_dict({"online": {"sequences_per_round": 8}, "optim": {"batch_size": 32}})

@@ -150,14 +150,19 @@ def drafter_targets(name: str, x: np.ndarray):
     raise ValueError(f"unexpected tensor {name!r} in a DFlash drafter checkpoint")
 
 
-def load_drafter_checkpoint(path, dtype=jnp.bfloat16) -> DFlashDrafter:
-    ckpt = HFCheckpoint(path)
+def read_drafter_config(ckpt: HFCheckpoint) -> DrafterConfig:
+    """The checkpoint's drafter config, checked (ValueError naming the file), weights unread."""
     try:
-        cfg = drafter_config_from_hf(json.loads(ckpt.config_path.read_text()))
+        return drafter_config_from_hf(json.loads(ckpt.config_path.read_text()))
     except json.JSONDecodeError as e:
         raise ValueError(f"corrupt {ckpt.config_path}: {e}") from None
     except (ValueError, TypeError) as e:  # the message names the field; this names the file
         raise ValueError(f"{ckpt.config_path}: {e}") from None
+
+
+def load_drafter_checkpoint(path, dtype=jnp.bfloat16) -> DFlashDrafter:
+    ckpt = HFCheckpoint(path)
+    cfg = read_drafter_config(ckpt)
     skeleton = nnx.eval_shape(lambda: build_drafter(cfg, dtype))
     return fill_params(
         skeleton, ckpt.tensors(), drafter_targets, total=len(ckpt),

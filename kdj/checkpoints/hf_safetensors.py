@@ -81,6 +81,9 @@ class HFCheckpoint:
 
     def __init__(self, path: str | Path):
         self.dir = Path(path)
+        if self.dir.is_file():
+            raise ValueError(f"{self.dir} is a file: a checkpoint is a directory (config.json and "
+                             "*.safetensors)")  # fmt: skip
         if not self.dir.is_dir():
             raise FileNotFoundError(f"checkpoint directory not found: {self.dir}")
         self.config_path = self.dir / "config.json"

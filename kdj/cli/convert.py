@@ -44,6 +44,7 @@ def add_parsers(sub) -> None:
     c.add_argument(
         "--dtype",
         default="bfloat16",
+        choices=["float32", "bfloat16"],
         help="weights dtype, float32 | bfloat16 (default: %(default)s)",
     )
     c.set_defaults(fn=cmd_convert)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from kdj.cli import values
 from kdj.cli.runs import (
     DEFAULTS,
     METHOD_FIELDS,
+    check_method,
     check_per_prompt,
     check_sources,
     dtype_name,
@@ -26,8 +28,6 @@ FLAGS = {"kdj.load_drafter": "--drafter", "kdj.load_target": "--target",
 def settle(args) -> dict:
     """The run: the YAML's fields, the flags' over them, every value and their combination
     checked (ValueError) before any model loads."""
-    from kdj import arguments
-
     run = load_run(args.config)
     given = {key: getattr(args, key) for key in ("drafter", *METHOD_FIELDS)}
     if args.method is not None:
@@ -45,14 +45,14 @@ def settle(args) -> dict:
                          "leave it out, or choose --method dflash, ddtree or auto")  # fmt: skip
     if plain:
         run["drafter"] = None  # not loaded: plain decoding never reads it
-    arguments.method(dec["method"], bool(run["drafter"]), block_size=dec["block_size"],
-                     tree_budget=dec["tree_budget"])  # fmt: skip
+    flags = {key: flag for key, flag in METHOD_FIELDS.items() if getattr(args, key) is not None}
+    check_method(run, args.config, {"drafter": "--drafter", **flags})
     prompts = args.prompt or [SAMPLE]
     check_per_prompt(run, args.config, len(prompts))
     if not run["chat"] and "" in prompts:
         raise ValueError(f"--prompt {prompts.index('')} is empty (with --no-chat nothing is "
                          "added to it): give some text")  # fmt: skip
-    check_sources(run)
+    check_sources(run, "--block-size" if args.block_size else f"{args.config}: decode.block_size")
     return run
 
 
@@ -80,35 +80,51 @@ def cmd_generate(args) -> int:
         if out.logprobs is not None:
             print_logprobs(tok, out.tokens[i], out.logprobs[i], i)
         print(f"--- [{i}] finish: {out.finish_reasons[i]}, {len(out.tokens[i])} tokens")
-    s = out.stats
-    if s["method"] != "ar":
-        hist = " ".join(f"{k + 1}:{n}" for k, n in enumerate(s["acceptance_histogram"]) if n)
-        print(f"--- tokens per step (tau) histogram: {hist}")
-    if s["method"] == "ddtree":
-        print(
-            f"--- tree budget {s['tree_budget']}, mean tree size {s['mean_tree_size']:.1f}, "
-            f"mean accepted depth {s['mean_accepted_depth']:.2f}"
-        )
-    print(
-        f"--- {s['method']}: {s['new_tokens']} tokens in {s['steps']} steps, "
-        f"mean acceptance {s['mean_acceptance']:.2f}, {s['tokens_per_s']:.1f} tok/s decode "
-        f"(prefill {s['prefill_s'] * 1e3:.1f} ms, decode {s['decode_s'] * 1e3:.1f} ms, "
-        f"compile {s['compile_s']:.1f} s)"
-    )
+    print_stats(out.stats)
     return 0
 
 
+def print_stats(s: dict) -> None:
+    """The run's summary lines; a mean over no steps (every token from prefill, or no tree
+    verified) reads "none", not nan."""
+
+    def num(x: float, digits: int) -> str:
+        return "none" if math.isnan(x) else f"{x:.{digits}f}"
+
+    if s["method"] != "ar":
+        hist = " ".join(f"{k + 1}:{n}" for k, n in enumerate(s["acceptance_histogram"]) if n)
+        print(f"--- tokens per step (tau) histogram: {hist or 'none (no decode step)'}")
+    if s["method"] == "ddtree":
+        capped = s["tree_budget"] != s["tree_budget_requested"]
+        asked = f" (of {s['tree_budget_requested']} asked: what fits the cache)" if capped else ""
+        print(f"--- tree budget {s['tree_budget']}{asked}, mean tree size "
+              f"{num(s['mean_tree_size'], 1)}, mean accepted depth "
+              f"{num(s['mean_accepted_depth'], 2)}")  # fmt: skip
+    print(
+        f"--- {s['method']}: {s['new_tokens']} tokens in {s['steps']} steps, "
+        f"mean acceptance {num(s['mean_acceptance'], 2)}, {num(s['tokens_per_s'], 1)} tok/s "
+        f"decode (prefill {s['prefill_s'] * 1e3:.1f} ms, decode {s['decode_s'] * 1e3:.1f} ms, "
+        f"compile {s['compile_s']:.1f} s)"
+    )
+
+
 def print_logprobs(tok, tokens: list[int], logprobs, i: int) -> None:
-    """One line per emitted token: its text (quoted, so whitespace shows), its log-probability,
-    then its alternatives' most likely first."""
+    """One line per emitted token: the text it adds (quoted, so whitespace shows), its
+    log-probability, then its alternatives' most likely first. A character split across
+    byte tokens counts for the token that completes it, as kdj serve reports it: alone, each
+    byte decodes to the same U+FFFD."""
+    context: list[int] = []  # the last few ids, decoded before each token's own
 
     def piece(t: int) -> str:
-        return repr(tok.decode([t]))
+        head = tok.decode(context).rstrip("\ufffd")
+        text = tok.decode([*context, t]).rstrip("\ufffd")
+        return repr(text[len(head) :] if text.startswith(head) else tok.decode([t]))
 
     print(f"--- [{i}] logprobs: token, log-probability | alternatives")
     for t, x in zip(tokens, logprobs, strict=True):
         top = "  ".join(f"{piece(a)} {v:.4f}" for a, v in x.top)
         print(f"{piece(t):<16} {x.logprob:9.4f}" + (f"  | {top}" if top else ""))
+        context = [*context, t][-4:]
 
 
 def add_parsers(sub) -> None:

@@ -45,7 +45,11 @@ def load_run(path: str | None) -> dict:
     run = load_yaml(path)
     unknown = set(run) - set(DEFAULTS)
     if unknown:
-        raise ValueError(f"{path}: unknown keys {sorted(unknown)}; expected {sorted(DEFAULTS)}")
+        kind = ("; it reads as a training YAML (kdj train-drafter --config)" if "optim" in unknown
+                else "; it reads as a mesh YAML (kdj.load_target(mesh=...))" if "mesh" in unknown
+                else "")  # fmt: skip
+        raise ValueError(f"{path}: unknown keys {sorted(unknown)}; expected {sorted(DEFAULTS)}"
+                         f"{kind}")  # fmt: skip
     decode = run.get("decode") or {}
     if not isinstance(decode, dict):
         raise ValueError(f"{path}: decode must be a mapping of generate arguments")
@@ -124,6 +128,25 @@ def check_values(cfg: dict, given: dict, path) -> None:
     check("decode.cost", lambda: arguments.cost(dec["cost"]))
 
 
+def check_method(run: dict, path, flags: dict[str, str]) -> None:
+    """The run's method, drafter, block_size and tree_budget fit together (ValueError), said
+    in the words of where each came from: a flag of the command line (`flags`: field -> flag,
+    for the fields it gave) or the run YAML's field."""
+    from kdj import arguments
+
+    dec = run["decode"]
+    try:
+        arguments.method(dec["method"], bool(run["drafter"]), block_size=dec["block_size"],
+                         tree_budget=dec["tree_budget"])  # fmt: skip
+    except ValueError as e:
+        message = str(e)
+        for key in METHOD_FIELDS:
+            if message.startswith(f"{key} "):
+                message = (flags.get(key) or f"{path}: decode.{key}") + message[len(key) :]
+        drafter = flags.get("drafter") or f"a drafter: field in {path}"
+        raise ValueError(message.replace("(kdj.load_drafter)", f"({drafter})")) from None
+
+
 def check_per_prompt(run: dict, path, prompts: int | None) -> None:
     """The YAML's per-prompt lists (decode.max_new_tokens, decode.seed) have one entry per
     prompt; `prompts` None: the command has no prompts of its own (serve), so none is taken."""
@@ -139,14 +162,18 @@ def check_per_prompt(run: dict, path, prompts: int | None) -> None:
                              f"for {prompts} prompt(s) (--prompt)")  # fmt: skip
 
 
-def check_sources(run: dict) -> None:
-    """The run's target and drafter exist (FileNotFoundError naming the missing one), so a
-    mistyped drafter is not found only after the target has loaded."""
-    from kdj.loading import drafter_path, target_path
+def check_sources(run: dict, block_size: str = "block_size") -> None:
+    """The run's target and drafter are checkpoints kdj reads (their files and configs, no
+    weights), and its block size fits the drafter's, so a mistyped or wrong drafter is not
+    found only after the target has loaded. `block_size`: what to call it in the message."""
+    from kdj.loading import check_target, drafter_config
 
-    target_path(run["target"])
+    check_target(run["target"])
     if run["drafter"]:
-        drafter_path(run["drafter"])
+        most, k = drafter_config(run["drafter"]).block_size, run["decode"]["block_size"]
+        if k is not None and k > most:
+            raise ValueError(f"{block_size} must be in [2, {most}] for drafter "
+                             f"{run['drafter']!r} (got {k})")  # fmt: skip
 
 
 # The run's fields that only some methods use (kdj.arguments.APPLIES_TO), and the flags

@@ -7,10 +7,11 @@ from pathlib import Path
 
 from kdj.cli import values
 from kdj.cli.extras import needs
-from kdj.cli.runs import check_per_prompt, check_sources, dtype_name, load_run
+from kdj.cli.runs import check_method, check_per_prompt, check_sources, dtype_name, load_run
 
-# the engine's parameters as serve's flags, for messages raised below the command line
-FLAGS = {"kdj.load_drafter": "--drafter", "kdj.load_target": "--target",
+# the engine's parameters as serve's flags, for messages raised below the command line; the
+# pair comes from the run YAML alone (serve has no --target or --drafter)
+FLAGS = {"kdj.load_drafter": "the run YAML's drafter:", "kdj.load_target": "the run YAML's target:",
          "max_batch": "--max-batch", "chunk_steps": "--chunk-steps",
          "max_queue": "--max-queue"}  # fmt: skip
 # serve --warm: which modes (greedy True, sampled False) to compile before listening
@@ -20,7 +21,6 @@ WARM_MODES = {"all": (True, False), "greedy": (True,), "none": ()}
 def check_serve(args, run: dict) -> None:
     """The flags and the run YAML as the server takes them (ValueError), before any model
     loads; each number's range is argparse's (kdj.cli.values)."""
-    from kdj import arguments
     from kdj.decode.widths import ladder
 
     if args.widths is not None:
@@ -35,10 +35,9 @@ def check_serve(args, run: dict) -> None:
         raise ValueError(f"{args.config}: decode.deterministic: kdj serve does not run "
                          "deterministic mode; set it false (kdj generate "
                          "--deterministic does)")  # fmt: skip
-    arguments.method(dec["method"], bool(run["drafter"]), block_size=dec["block_size"],
-                     tree_budget=dec["tree_budget"])  # fmt: skip
+    check_method(run, args.config, {})
     check_per_prompt(run, args.config, None)
-    check_sources(run)
+    check_sources(run, f"{args.config}: decode.block_size")
 
 
 def check_address(host: str, port: int) -> None:
@@ -60,6 +59,50 @@ def check_address(host: str, port: int) -> None:
         raise OSError(f"cannot listen on {host}:{port} ({why})") from None
 
 
+def free_memory() -> int | None:
+    """Bytes the devices can still take (an accelerator's, else the host's available RAM);
+    None where it cannot be told."""
+    import jax
+
+    devices = jax.local_devices()
+    if devices[0].platform == "cpu":
+        try:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+        return None
+    stats = [d.memory_stats() or {} for d in devices]
+    if not all("bytes_limit" in s for s in stats):
+        return None
+    return sum(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
+
+
+def check_pool_fits(target, max_batch: int, context: int) -> None:
+    """--context is within the model's positions, and the pool's target KV cache alone (a
+    lower bound on what serving holds) fits the memory left once the model loaded:
+    --max-batch 512 was killed by the OS while warming up."""
+    import jax
+
+    from kdj.cache import init_cache
+
+    positions = target.cfg.max_position_embeddings
+    if context > positions:
+        raise ValueError(f"--context {context} exceeds the model's max_position_embeddings "
+                         f"({positions}): positions past it are not ones it was trained "
+                         f"on; give --context {positions} or less")  # fmt: skip
+
+    shapes = jax.eval_shape(lambda: init_cache(target.cfg, max_batch, context, target.dtype))
+    need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+    free = free_memory()
+    if free is not None and need > free:
+        raise ValueError(f"a pool of {max_batch} slots x {context} tokens needs "
+                         f"{need / 2**30:.1f} GiB of KV cache ({need / max_batch / 2**20:.0f} "
+                         f"MiB a slot), more than the {free / 2**30:.1f} GiB free: lower "
+                         "--max-batch or --context")  # fmt: skip
+
+
 def cmd_serve(args) -> int:
     import kdj
 
@@ -73,6 +116,7 @@ def cmd_serve(args) -> int:
     dec = run["decode"]
     target = kdj.load_target(run["target"], dtype=dtype_name(run["dtype"]))
     drafter = kdj.load_drafter(run["drafter"], target=target) if run["drafter"] else None
+    check_pool_fits(target, args.max_batch, args.context)
     name = args.model_name or str(run["target"])
     app = make_app(target, name, drafter=drafter, method=dec["method"],
                    block_size=dec["block_size"], tree_budget=dec["tree_budget"],
@@ -93,27 +137,39 @@ def cmd_bench_serve(args) -> int:
 
     from kdj.serve import prompts as sources
 
+    lo, hi = args.max_tokens[0], args.max_tokens[-1]
+    if len(args.max_tokens) > 2 or lo > hi:
+        raise ValueError(f"--max-tokens: give N, or LO HI with LO <= HI (got "
+                         f"{' '.join(map(str, args.max_tokens))})")  # fmt: skip
+    # the sweep can take an hour: what it writes is checked first
+    for flag in ("--out", "--plot"):
+        if getattr(args, flag[2:]):
+            others = {"--prompts": args.prompts, "--out": args.out if flag == "--plot" else None}
+            values.output(getattr(args, flag[2:]), flag, inputs=others)
+    if args.plot:
+        with needs("train"):  # matplotlib
+            import matplotlib  # noqa: F401
     if args.prompts:
         prompts = sources.from_file(args.prompts)
     else:
         prompts, origin = sources.default(seed=args.seed)
         print(f"prompts: {origin}")
-    lo, hi = (args.max_tokens * 2)[:2] if len(args.max_tokens) == 1 else args.max_tokens
-    if not 1 <= lo <= hi:
-        raise ValueError(f"--max-tokens: need 1 <= lo <= hi, got {args.max_tokens}")
+    url = args.url.rstrip("/")
+    url = url.removesuffix("/v1")  # an OpenAI client's base_url names /v1; the sweep adds it
     try:
-        report = bench.run(args.url, prompts, args.concurrency, (lo, hi), args.requests,
+        report = bench.run(url, prompts, args.concurrency, (lo, hi), args.requests,
                            seed=args.seed, model=args.model, warmup=not args.no_warmup,
                            waves=args.waves, procs=args.procs)  # fmt: skip
     except bench.ServerError as e:
         raise SystemExit(f"kdj bench-serve: {e}") from None
     print(bench.table(report))
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.out}")
     if args.plot:
-        with needs("train"):  # matplotlib
-            bench.plot({report["model"]: report}, args.plot)
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        bench.plot({report["model"]: report}, args.plot)
         print(f"wrote {args.plot}")
     return 0
 
@@ -155,7 +211,9 @@ def add_parsers(sub) -> None:
 
     w = sub.add_parser("bench-serve", help="concurrency sweep against an OpenAI-compatible URL")
     w.add_argument(
-        "--url", default="http://127.0.0.1:8000", help="server base URL (default: %(default)s)"
+        "--url",
+        default="http://127.0.0.1:8000",
+        help="server base URL, with or without /v1 (default: %(default)s)",
     )
     w.add_argument("--concurrency", type=values.POSITIVE, nargs="+", default=[1, 4, 16, 64, 256],
                    help="client counts to sweep (default: 1 4 16 64 256)")  # fmt: skip

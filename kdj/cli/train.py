@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from kdj.cli import values
@@ -33,12 +34,38 @@ def cmd_train_drafter(args) -> int:
         cfg.drafter.num_layers = args.num_layers
     if args.resume_state is not None:
         if cfg.online is None:
-            raise SystemExit(f"--resume-state continues an online campaign; {args.config} has "
+            raise ValueError(f"--resume-state continues an online campaign; {args.config} has "
                              "no online section")  # fmt: skip
         cfg.online.resume_state = args.resume_state
+    check_training(cfg, args)
     with needs("train"):  # the dataset packages are looked for only once the target loaded
         (run_online if cfg.online is not None else run_training)(cfg)
     return 0
+
+
+def check_training(cfg, args) -> None:
+    """The target, the drafters to start from and out_dir, checked before the data is made
+    (hours on a GPU); each named as the flag or the config's field that gave it."""
+    from kdj.loading import check_target, drafter_config
+
+    def named(flag, field):
+        given = getattr(args, flag[2:].replace("-", "_")) is not None
+        return flag if given else f"{args.config}: {field}"
+
+    checks = [(named("--target", "target"), check_target, cfg.target)]
+    if cfg.drafter.init_from:
+        checks.append((named("--init-from", "drafter.init_from"), drafter_config,
+                       cfg.drafter.init_from))  # fmt: skip
+    for key, entry in (cfg.online.compare if cfg.online else {}).items():
+        if entry.drafter.init_from:
+            checks.append((f"{args.config}: online.compare.{key}.init_from", drafter_config,
+                           entry.drafter.init_from))  # fmt: skip
+    for name, check, source in checks:
+        try:
+            check(source)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{name}: {e}") from None
+    values.output(cfg.out_dir, named("--out-dir", "out_dir"), folder=True)
 
 
 def cmd_eval_acceptance(args) -> int:
@@ -52,6 +79,7 @@ def cmd_eval_acceptance(args) -> int:
 
     named = drafter_labels(args.drafter)
     check_sources(args.target, *named.values())
+    values.output(args.out, "--out", folder=True)  # checked before the runs, not after
     if args.prompts:  # eval_prompts.json written by train-drafter: no dataset packages needed
         texts = eval_prompts(args.prompts, args.datasets)
     else:
@@ -67,11 +95,18 @@ def cmd_eval_acceptance(args) -> int:
                 for name in args.datasets if texts.get(name)}  # fmt: skip
     if not datasets:
         raise SystemExit(f"no prompts for {args.datasets} in {args.prompts or 'the packages'}")
+    for name in args.datasets:  # a short set runs what it has, said (and in the report)
+        have = len(datasets.get(name, ()))
+        if have < n:
+            print(f"kdj eval-acceptance: {args.prompts or 'the packages'} has {have} {name} "
+                  f"prompts, fewer than --num-prompts {n}: " +
+                  (f"running {have}" if have else "skipping the set"), file=sys.stderr)  # fmt: skip
     ar_runs: dict = {}  # one AR run per (set, temperature), shared by every drafter
     reports = {}
     for label, drafter in drafters.items():
         out = Path(args.out) / label if len(drafters) > 1 else Path(args.out)
-        meta = {"target": args.target, "drafter": named[label], "num_prompts": n,
+        meta = {"target": args.target, "drafter": named[label],
+                "num_prompts": {name: len(p) for name, p in datasets.items()},
                 "max_new_tokens": args.max_new_tokens, "deterministic": args.deterministic,
                 "dtype": args.dtype}  # fmt: skip
         reports[label] = evaluate.eval_acceptance(
@@ -103,13 +138,13 @@ def eval_prompts(path: str, datasets: list[str]) -> dict[str, list[str]]:
 
 
 def check_sources(target: str, *drafters: str) -> None:
-    """The target and drafters exist (FileNotFoundError naming the missing one) before the
-    dataset and the target load."""
-    from kdj.loading import drafter_path, target_path
+    """The target and drafters are checkpoints kdj reads (their files and configs, no
+    weights) before the dataset and the target load."""
+    from kdj.loading import check_target, drafter_config
 
-    target_path(target)
+    check_target(target)
     for source in drafters:
-        drafter_path(source)
+        drafter_config(source)
 
 
 def drafter_labels(specs: list[str]) -> dict[str, str]:
@@ -133,11 +168,12 @@ def cmd_tune(args) -> int:
     """Time auto's steps for each batch bucket, print the table, cache the fitted costs."""
     import kdj
     from kdj.decode import auto, tune
+    from kdj.loading import drafter_config
 
     check_sources(args.target, args.drafter)
+    shapes = auto.parse_menu("auto", args.menu, drafter_config(args.drafter).block_size, None)
     target = kdj.load_target(args.target, dtype=dtype_name(args.dtype))
     drafter = kdj.load_drafter(args.drafter, target=target)
-    shapes = auto.parse_menu("auto", args.menu, drafter.cfg.block_size, None)
     for batch in args.batch:
         _, timings, path = tune.tune(target, drafter, shapes, batch, args.context)
         print(tune.table(timings))
@@ -150,7 +186,11 @@ def cmd_calibrate(args) -> int:
     from kdj.train import calibrate
     from kdj.train.data import sharegpt_split
 
+    if args.tree_budget is not None and args.method != "ddtree":
+        raise ValueError(f"--tree-budget applies to --method ddtree, not {args.method}")
     check_sources(args.target, args.drafter)
+    if args.save:  # where the fit goes, checked before the runs
+        values.output(str(kdj.loading.drafter_path(args.drafter) / "calibration.json"), "--save")
     with needs("train"):
         from kdj.train.loop import chat_prompts
 
@@ -159,15 +199,12 @@ def cmd_calibrate(args) -> int:
     drafter = kdj.load_drafter(args.drafter, target=target)
     prompts = chat_prompts(target.tokenizer, held_out[: args.num_prompts], 512)
     report = calibrate.calibrate(
-        target, drafter, prompts, method=args.method, tree_budget=args.tree_budget,
+        target, drafter, prompts, method=args.method, tree_budget=args.tree_budget or 16,
         temperatures=args.temperatures, max_new_tokens=args.max_new_tokens,
     )  # fmt: skip
     print(json.dumps({k: v for k, v in report.items() if k != "candidates"}, indent=2))
     if args.save:
-        path = Path(args.drafter)
-        if not path.exists():  # a built-in name
-            path = kdj.loading.ASSETS / args.drafter
-        print(f"wrote {calibrate.save(report, path)}")
+        print(f"wrote {calibrate.save(report, kdj.loading.drafter_path(args.drafter))}")
     return 0
 
 
@@ -264,7 +301,8 @@ def add_parsers(sub) -> None:
         default="ddtree",
         help="method whose steps are forecast" + d,
     )
-    k.add_argument("--tree-budget", type=values.POSITIVE, default=16, help="DDTree budget" + d)
+    k.add_argument("--tree-budget", type=values.POSITIVE,
+                   help="DDTree budget, with --method ddtree (default: 16)")  # fmt: skip
     k.add_argument(
         "--temperatures",
         type=values.real(0.0, above=True),
@@ -290,4 +328,4 @@ def add_parsers(sub) -> None:
     u.add_argument("--batch", type=values.POSITIVE, nargs="+", default=[1], help="batch sizes" + d)
     u.add_argument("--context", type=values.integer(2), default=256, help="tokens per sequence" + d)
     u.add_argument("--menu", nargs="+", default=None, help="auto's menu (default: its own)")
-    u.set_defaults(fn=cmd_tune, flags=FLAGS)
+    u.set_defaults(fn=cmd_tune, flags={**FLAGS, "menu": "--menu"})

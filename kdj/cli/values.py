@@ -1,10 +1,12 @@
 """argparse types: each flag's value is checked as it is parsed, so a bad one is refused
-before anything loads, in a message that names the flag ("argument --max-batch: ...")."""
+before anything loads, in a message that names the flag ("argument --max-batch: ..."); and
+the paths a command writes, checked before its work."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 
 
 def integer(minimum: int | None = None, maximum: int | None = None):
@@ -56,3 +58,27 @@ SEED = integer(0, 2**32 - 1)
 TEMPERATURE = real(0.0)
 TOP_P = real(0.0, 1.0, above=True)
 DTYPES = ("float32", "bfloat16", "auto")
+
+
+def output(path: str, flag: str, *, folder: bool = False, inputs: dict | None = None) -> None:
+    """`path` can be written as a file (or, `folder`, a directory, made with its parents),
+    checked before a long run rather than when it ends (ValueError naming `flag`); `inputs`
+    ({flag: path}) are the command's own files, which it must not overwrite."""
+    from pathlib import Path
+
+    p = Path(path)
+    for other, given in (inputs or {}).items():
+        if given and Path(given).resolve() == p.resolve():
+            raise ValueError(f"{flag} {path} is the {other} file: writing there would "
+                             f"overwrite it; choose another {flag}")  # fmt: skip
+    if folder and p.exists() and not p.is_dir():
+        raise ValueError(f"{flag} {path} is a file: give a folder (new or existing)")
+    if not folder and p.is_dir():
+        raise ValueError(f"{flag} {path} is a directory: give a file name")
+    parent = p if folder else p.parent
+    while not parent.exists() and parent != parent.parent:  # the folder it would be made in
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: cannot write in {parent} (permission denied)")

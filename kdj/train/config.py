@@ -42,6 +42,7 @@ was made with turns "first" and is accepted for that only).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -192,6 +193,9 @@ class CompareEntry:
         bad = set(optim) - {f.name for f in dataclasses.fields(OptimConfig)}
         if bad:
             raise ValueError(f"online.compare.{name}.optim: unknown keys {sorted(bad)}")
+        check_fields(OptimConfig, optim, f"online.compare.{name}.optim")
+        if not isinstance(shape, DrafterShape):
+            check_fields(DrafterShape, shape, f"online.compare.{name}")
         drafter = shape if isinstance(shape, DrafterShape) else DrafterShape(**shape)
         return CompareEntry(drafter, optim)
 
@@ -231,13 +235,66 @@ class OnlineConfig:
         self.compare = {name: CompareEntry.of(name, e) for name, e in self.compare.items()}
 
 
-def check_booleans(cls, values: dict, section: str) -> None:
-    """A YAML boolean field takes true or false only: "no" is a non-empty string, truthy."""
+# Each number's range where it is not the default's (integers >= 1, reals >= 0): (low, high,
+# low excluded). Checked when the YAML is read, not hours later at the step that uses it.
+RANGES = {
+    "block_size": (2, None, False), "mask_token_id": (0, None, False),
+    "lr": (0, None, True), "warmup_frac": (0, 1, False), "end_lr_frac": (0, 1, False),
+    "b1": (0, 1, False), "b2": (0, 1, False), "grad_clip": (0, None, True),
+    "gamma": (0, None, True), "max_minutes": (0, None, True), "seed": (0, None, False),
+    "every": (0, None, False), "eval_every_rounds": (0, None, False),
+    "ckpt_every": (0, None, False), "stream_start": (0, None, False),
+    "magpie_fraction": (0, 1, False), "resume_part_mib": (0, None, True),
+    "target_layer_ids": (0, None, False),
+}  # fmt: skip
+
+
+def check_fields(cls, values, section: str) -> None:
+    """The YAML section `values` holds the types and ranges of `cls`'s fields (ValueError
+    naming section.field): a YAML boolean is true or false ("no" is a truthy string), an int
+    field takes no 1.5 and no "3", a number is finite and in its range (RANGES)."""
+    if not isinstance(values, dict):
+        raise ValueError(f"{section} must be a mapping of its fields, got {values!r}")
     for f in dataclasses.fields(cls):
-        value = values.get(f.name)
-        if f.type == "bool" and value is not None and not isinstance(value, bool):
-            raise ValueError(f"{section}.{f.name} must be true or false (a YAML boolean), got "
-                             f"{value!r}")  # fmt: skip
+        if f.name not in values or (values[f.name] is None and "None" in f.type):
+            continue
+        value, kind = values[f.name], f.type.replace(" | None", "")
+        where = f"{section}.{f.name}" if section else f.name
+        if kind == "list[int]" or kind == "list[float]":
+            item = kind[5:-1]
+            if not isinstance(value, list) or not all(_fits(item, v, f.name) for v in value):
+                raise ValueError(f"{where} must be a list, each item {_said(item, f.name)}, "
+                                 f"got {value!r}")  # fmt: skip
+        elif not _fits(kind, value, f.name):
+            raise ValueError(f"{where} must be {_said(kind, f.name)}, got {value!r}")
+
+
+def _fits(kind: str, value, name: str) -> bool:
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind in ("int", "float"):
+        number = (int,) if kind == "int" else (int, float)
+        if isinstance(value, bool) or not isinstance(value, number) or not math.isfinite(value):
+            return False
+        low, high, above = RANGES.get(name, (1 if kind == "int" else 0, None, False))
+        return (value > low if above else value >= low) and (high is None or value <= high)
+    if kind == "str":
+        return isinstance(value, str) and value != ""
+    if kind.startswith("dict"):
+        return isinstance(value, dict)
+    return True
+
+
+def _said(kind: str, name: str) -> str:
+    """What a field of `kind` takes, in words."""
+    if kind == "bool":
+        return "true or false (a YAML boolean)"
+    if kind in ("int", "float"):
+        low, high, above = RANGES.get(name, (1 if kind == "int" else 0, None, False))
+        what = "an integer" if kind == "int" else "a number"
+        bound = f"{'>' if above else '>='} {low}" + (f" and <= {high}" if high is not None else "")
+        return f"{what} {bound}"
+    return {"str": "a non-empty string"}.get(kind, f"a {kind.split('[')[0]}")
 
 
 @dataclass
@@ -269,22 +326,27 @@ class TrainConfig:
             "eval": EvalConfig,
             "online": OnlineConfig,
         }
-        top = {f.name for f in dataclasses.fields(TrainConfig)}
-        unknown = set(d) - top
+        top = [f.name for f in dataclasses.fields(TrainConfig)]
+        unknown = set(d) - set(top)
         if unknown:
-            raise ValueError(f"unknown training config keys {sorted(unknown)}; expected {top}")
+            run = (
+                "; it reads as a run YAML (kdj generate / serve --config)" if "decode" in d else ""
+            )
+            raise ValueError(f"unknown training config keys {sorted(unknown)}; expected "
+                             f"{top}{run}")  # fmt: skip
         kw = {}
         for key, value in d.items():
             if key in sections:
                 cls = sections[key]
+                check_fields(cls, value or {}, key)
                 names = {f.name for f in dataclasses.fields(cls)}
                 bad = set(value or {}) - names
                 if bad:
                     raise ValueError(f"unknown keys {sorted(bad)} in section {key!r}")
-                check_booleans(cls, value or {}, key)
                 kw[key] = cls(**(value or {}))
             else:
                 kw[key] = value
+        check_fields(TrainConfig, {k: v for k, v in d.items() if k not in sections}, "")
         cfg = TrainConfig(**kw)
         if cfg.data.num_conversations > 16_000:
             raise ValueError("the split rule allows training on the first 16,000 conversations")
@@ -299,4 +361,8 @@ class TrainConfig:
     def from_yaml(path) -> TrainConfig:
         from kdj.config import load_yaml
 
-        return TrainConfig.from_dict(load_yaml(path))
+        try:
+            return TrainConfig.from_dict(load_yaml(path))
+        except (TypeError, ValueError) as e:
+            message = str(e)
+            raise ValueError(message if str(path) in message else f"{path}: {message}") from None
