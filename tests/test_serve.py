@@ -123,7 +123,7 @@ def test_chunks_follow_the_host(target):
     prompts, budgets = prompts_and_budgets(target, 5, seed=7)
     engine = Engine(target, max_batch=4, cache_size=64, max_new_cap=11, chunk_steps=8,
                     widths=(4,), follow_host=True)  # fmt: skip
-    assert engine.run_steps == {4: 1}
+    assert engine.chunk_steps.run == {4: 1}
     ids = [engine.submit(Request(p, m, [])) for p, m in zip(prompts, budgets)]
     got = {i: [] for i in ids}
     while engine.busy:
@@ -131,15 +131,15 @@ def test_chunks_follow_the_host(target):
         for u in engine.step():
             got[u.id] += u.tokens
     assert [got[i] for i in ids] == alone(target, prompts, budgets)
-    assert engine.run_steps == {4: 8} and engine.stats.starved >= 3
+    assert engine.chunk_steps.run == {4: 8} and engine.stats.starved >= 3
     assert engine.stats.starved_s > 3 * 0.01
     for _ in range(8 * 3):  # chunks the device never waited before: three steps off
-        engine._follow(4, 0.0, 0.01)
-    assert engine.run_steps == {4: 5}
+        engine.chunk_steps.observe(4, 0.0, 0.01, engine.stats)
+    assert engine.chunk_steps.run == {4: 5}
     fixed = Engine(target, max_batch=4, cache_size=64, max_new_cap=11, chunk_steps=8,
                    widths=(4,))  # fmt: skip
-    fixed._follow(4, 1.0, 0.01)  # counted, never acted on
-    assert fixed.run_steps == {4: 8} and fixed.stats.starved == 1
+    fixed.chunk_steps.observe(4, 1.0, 0.01, fixed.stats)  # counted, never acted on
+    assert fixed.chunk_steps.run == {4: 8} and fixed.stats.starved == 1
 
 
 def test_a_newcomers_first_token_comes_before_its_first_chunk(target):

@@ -63,13 +63,10 @@ from kdj.decode.pool import STOP_WIDTH
 from kdj.decode.requests import Request, Update, mode_of
 from kdj.decode.state import Plan
 from kdj.decode.tree import DraftShape
-from kdj.decode.turns import TurnStats
+from kdj.decode.turns import ChunkSteps, TurnStats
 from kdj.decode.widths import batch_axes, chunk_bounds, fitting, ladder, resize
 from kdj.handles import Drafter, Target, check_pair
 
-# follow_host: a device wait longer than this, and than this share of the chunk before it,
-# counts as the host's; this many chunks without one take a step off a width's chunks
-STARVED_S, STARVED_SHARE, CALM_CHUNKS = 2e-4, 0.1, 8
 HISTORY = 4096  # chunks whose width the engine remembers (chunk_widths)
 LOOKAHEAD = 1  # chunks queued on the device beyond the one whose report the host waits for
 # prompt tokens per prefill call: one compiled shape for every prompt; long enough that a
@@ -134,11 +131,7 @@ class Engine:
             raise ValueError("the serving engine runs on one device (target has a mesh)")
         self.widths = ladder(max_batch, widths)
         self.bounds = chunk_bounds(chunk_steps, self.widths)
-        # steps the next chunk at each width may run: the bound, or with follow_host as few
-        # as keep the device busy through the host's turns (tokens stream a step or so apart)
-        self.run_steps = {w: 1 if follow_host else b for w, b in self.bounds.items()}
-        self.follow_host = follow_host
-        self._calm = dict.fromkeys(self.widths, 0)  # chunks since the device last waited
+        self.chunk_steps = ChunkSteps(self.bounds, follow_host)
         self._idle_at: float | None = None  # the device's idle seconds at the last chunk read
         self.calibration = 1.0
         if drafter is not None:
@@ -357,7 +350,7 @@ class Engine:
             fn = self._chunk_program(self._shape(self.width), self.width, plan)
             wake = max(self.wake, math.ceil(self.wake_share * live))
             _, ts, _, ds = self._graphs()
-            bound = np.int32(self.run_steps[self.width])
+            bound = np.int32(self.chunk_steps.run[self.width])
             ran = self.device.queue(device.run_chunk, fn, ts, ds, bound, np.int32(wake),
                                     self.device)  # fmt: skip
             choices = (*map(str, self.plans[self.width].menu), "plain")
@@ -380,26 +373,6 @@ class Engine:
         key = ("chunk", width, plan.greedy, plan.logprobs)
         return self._program(key, pool.chunk, tg, ts, dg, ds, pool_, np.int32(0), np.int32(0),
                              options=self._xla, plan=plan, width=window)  # fmt: skip
-
-    def _follow(self, width: int, starved_s: float, ran_s: float) -> None:
-        """The device waited `starved_s` for the host since the chunk before this one (this
-        one ran `ran_s`) started, though the host had queued this one behind it. With
-        follow_host, a wait worth counting doubles the steps of this width's chunks (up to
-        its bound): the host's turn needs a longer chunk to hide behind. CALM_CHUNKS chunks
-        in a row without one take a step off (down to 1), so tokens reach their streams as
-        soon as the host keeps up."""
-        self.stats.starved_s += starved_s
-        waited = starved_s > max(STARVED_S, STARVED_SHARE * ran_s)
-        self.stats.starved += waited
-        if not self.follow_host:
-            return
-        s = self.run_steps[width]
-        if waited:
-            self.run_steps[width], self._calm[width] = min(self.bounds[width], 2 * s), 0
-            return
-        self._calm[width] += 1
-        if self._calm[width] >= CALM_CHUNKS and s > 1:
-            self.run_steps[width], self._calm[width] = s - 1, 0
 
     def _drop_cancelled(self) -> list[Update]:
         if not self.cancelled:
@@ -611,7 +584,8 @@ class Engine:
         if report.tally is not None:
             self.stats.tally(flight.width, flight.choices, np.asarray(report.tally))
         if flight.follows and self._idle_at is not None:
-            self._follow(flight.width, ran.idle_s - self._idle_at, ran.seconds)
+            self.chunk_steps.observe(flight.width, ran.idle_s - self._idle_at, ran.seconds,
+                                     self.stats)  # fmt: skip
         self._idle_at = ran.idle_s
         updates, finished = [], set()
         for b, r in enumerate(flight.rows):
