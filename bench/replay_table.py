@@ -83,7 +83,8 @@ def on_engine(target, drafter, kw: dict, clients: int, prompts, max_new: int, co
     """The server's pool under a closed loop of `clients` clients, each sending its next
     request when its last one ends: (tokens per request, steps over all requests)."""
     engine = serving_engine(target, drafter, kw["method"], kw.get("block_size"),
-                            kw.get("tree_budget"), clients, context, cost=cost)  # fmt: skip
+                            kw.get("tree_budget"), clients, context,
+                            cost=cost if kw["method"] == "auto" else None)  # fmt: skip
     todo = list(range(len(prompts)))[::-1]
     got: dict[int, list[int]] = {}
     index: dict[int, int] = {}

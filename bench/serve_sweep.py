@@ -141,9 +141,13 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError(f"no healthy server at {url} after {timeout:.0f} s")
 
 
+def pool_slots(args) -> int:
+    return args.max_batch or max(args.concurrency)
+
+
 def server_command(config: str, args) -> list[str]:
     """`kdj serve` for a --configs entry: YAML, or YAML@FLAGS with extra serve flags."""
-    slots = args.max_batch or max(args.concurrency)
+    slots = pool_slots(args)
     yaml_path, _, flags = config.partition("@")
     return [sys.executable, "-m", "kdj.cli", "serve", "--config", yaml_path, "--port",
             str(args.port), "--max-batch", str(slots), "--context", str(args.context),
@@ -152,7 +156,6 @@ def server_command(config: str, args) -> list[str]:
 
 def sweep(config: str, prompts: list[str], args) -> dict:
     url = f"http://127.0.0.1:{args.port}"
-    slots = args.max_batch or max(args.concurrency)
     cmd = server_command(config, args)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=SERVER_ENV)
@@ -171,8 +174,9 @@ def sweep(config: str, prompts: list[str], args) -> dict:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
-    return {"config": config, "slots": slots, "context": args.context, "start_s": started,
-            "seconds": time.perf_counter() - t0, "workloads": workloads}  # fmt: skip
+    return {"config": config, "slots": pool_slots(args), "context": args.context,
+            "start_s": started, "seconds": time.perf_counter() - t0,
+            "workloads": workloads}  # fmt: skip
 
 
 def closed_loop(engine, requests: list, clients: int) -> int:

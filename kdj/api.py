@@ -131,7 +131,7 @@ def generate(
     """
     # ---- arguments: every check of the caller's options, before anything is compiled
     opts = check_options(target, drafter, method, block_size, tree_budget, menu, calibration,
-                         temperature, top_p, mesh)  # fmt: skip
+                         temperature, top_p, mesh, cost)  # fmt: skip
     temperature, top_p = arguments.sampling(temperature, top_p)
     logprobs = arguments.logprobs(logprobs)
     if arguments.flag(deterministic, "deterministic"):
@@ -187,12 +187,12 @@ class Options(NamedTuple):
 
 
 def check_options(target, drafter, method, block_size, tree_budget, menu, calibration,
-                  temperature, top_p, mesh) -> Options:  # fmt: skip
+                  temperature, top_p, mesh, cost=None) -> Options:  # fmt: skip
     arguments.loaded(target, Target, "target", "kdj.load_target")
     if drafter is not None:
         arguments.loaded(drafter, Drafter, "drafter", "kdj.load_drafter")
     method = arguments.method(method, drafter is not None, block_size=block_size,
-                              tree_budget=tree_budget, menu=menu)  # fmt: skip
+                              tree_budget=tree_budget, menu=menu, cost=cost)  # fmt: skip
     arguments.sampling(temperature, top_p)
     menu = arguments.menu(menu)
     speculative = method != "ar"

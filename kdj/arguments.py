@@ -27,6 +27,7 @@ APPLIES_TO = {
     "block_size": ("dflash", "ddtree", "auto"),
     "tree_budget": ("ddtree",),
     "menu": ("auto",),
+    "cost": ("auto",),
 }
 
 

@@ -444,6 +444,9 @@ def test_auto_default_menu_and_bad_menus(tmp_path):
         kdj.generate(target, prompts, drafter=drafter, calibration=0.0)
     with pytest.raises(ValueError, match="menu applies to method 'auto'"):
         kdj.generate(target, prompts, drafter=drafter, method="dflash", menu=["none"])
+    with pytest.raises(ValueError, match="cost applies to method 'auto' with a drafter, not "
+                       "'ddtree'"):  # fmt: skip
+        kdj.generate(target, prompts, drafter=drafter, method="ddtree", cost="estimate")
 
 
 def test_calibration_changes_only_the_forecast_and_is_saved_with_the_drafter(tmp_path):

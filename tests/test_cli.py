@@ -283,6 +283,7 @@ def test_flags_are_checked_before_any_model_loads(no_loading, argv, msg):
      ("decode:\n  method: ar\n  block_size: 4\n", "decode.block_size applies to .* not .*'ar'"),
      ("decode:\n  block_size: 4\n", "decode.block_size applies to .*'auto' without a drafter"),
      ("decode:\n  cost: bogus\n", "decode.cost 'bogus' is not a file.*tune.*estimate"),
+     ("decode:\n  method: dflash\n  cost: estimate\n", "decode.cost applies to method auto, not"),
      ("dtype: float64\n", "dtype 'float64' is not supported"),
      ("target: 3\n", "target must be a name or path"),
      ("decode:\n  method: ar\n   max_new_tokens: 3\n", r"line 3, column 18: not valid YAML"),

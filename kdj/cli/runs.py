@@ -105,7 +105,7 @@ def check_values(cfg: dict, given: dict, path) -> None:
         raise ValueError(f"{path}: decode.method {dec['method']!r} is not one of "
                          f"{', '.join(arguments.METHODS)}")  # fmt: skip
 
-    for key in METHOD_FIELDS:
+    for key in METHOD_YAML:
         if dec[key] is not None and dec["method"] not in arguments.APPLIES_TO[key]:
             uses = " or ".join(arguments.APPLIES_TO[key])
             raise ValueError(f"{path}: decode.{key} applies to method {uses}, not the file's "
@@ -137,10 +137,10 @@ def check_method(run: dict, path, flags: dict[str, str]) -> None:
     dec = run["decode"]
     try:
         arguments.method(dec["method"], bool(run["drafter"]), block_size=dec["block_size"],
-                         tree_budget=dec["tree_budget"])  # fmt: skip
+                         tree_budget=dec["tree_budget"], cost=dec["cost"])  # fmt: skip
     except ValueError as e:
         message = str(e)
-        for key in METHOD_FIELDS:
+        for key in METHOD_YAML:
             if message.startswith(f"{key} "):
                 message = (flags.get(key) or f"{path}: decode.{key}") + message[len(key) :]
         drafter = flags.get("drafter") or f"a drafter: field in {path}"
@@ -179,6 +179,7 @@ def check_sources(run: dict, block_size: str = "block_size") -> None:
 # The run's fields that only some methods use (kdj.arguments.APPLIES_TO), and the flags
 # that set them.
 METHOD_FIELDS = {"block_size": "--block-size", "tree_budget": "--tree-budget"}
+METHOD_YAML = (*METHOD_FIELDS, "cost")  # and auto's costs, a field with no flag
 
 
 def switch_method(run: dict, method: str, flags: dict) -> None:
@@ -195,7 +196,7 @@ def switch_method(run: dict, method: str, flags: dict) -> None:
     drafter = run["drafter"] if flags.get("drafter") is None else flags["drafter"]
     plain = method == "ar" or (method == "auto" and not drafter)
     dropped = []
-    for key in METHOD_FIELDS:
+    for key in METHOD_YAML:
         if (
             dec[key] is not None
             and flags.get(key) is None

@@ -369,7 +369,7 @@ def serving_engine(target, drafter=None, method: str = "ar", block_size=None, tr
     few as keep the device busy through the host's turns, up to `stream_steps` per width:
     tokens then reach their streams about as they are committed."""
     opts = api.check_options(target, drafter, method, block_size, tree_budget, None, None,
-                             temperature, top_p, None)  # fmt: skip
+                             temperature, top_p, None, cost)  # fmt: skip
     drafting = api.pool_drafting(opts, target, drafter, max_batch, context, context / 2,
                                  cost, widths)  # fmt: skip
     follow = chunk_steps is None
