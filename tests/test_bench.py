@@ -242,6 +242,12 @@ def test_pool_step_smoke(tmp_path, tiny):
     assert sum(rows["ddtree3"]["choices"].values()) > 0
     with pytest.raises(SystemExit, match="'tree3' is not ar, dflash, ddtreeN"):
         bench.main([*argv[:-6], "--methods", "tree3"])
+    # several chunk lengths: a row each, and the chunk's own cost fitted apart from its steps'
+    res = bench.main([*argv[:-6], "--methods", "ar", "--chunk-steps", "1", "3", "--lookahead",
+                      "1", "--out", str(tmp_path / "c.json")])  # fmt: skip
+    assert set(res["rows"]) == {"ar@1", "ar@3"}
+    assert res["rows"]["ar@1"]["chunks"] > res["rows"]["ar@3"]["chunks"]
+    assert set(res["chunk_cost"]["ar"]) == {"chunk_ms", "step_ms"}
 
 
 def test_fixed_tiles_smoke(tmp_path, tiny):

@@ -25,7 +25,7 @@ def test_generate_default_model(capsys):
 
 def test_generate_config_file(tmp_path, capsys):
     run = tmp_path / "run.yaml"
-    run.write_text("decode:\n  max_new_tokens: 3\n  method: ar\n  cost: estimate\n")
+    run.write_text("decode:\n  max_new_tokens: 3\n  method: ar\n")
     assert main(["generate", "--config", str(run), "--prompt", "Hi"]) == 0
     assert "3 tokens" in capsys.readouterr().out
     run.write_text("decoding: {}\n")

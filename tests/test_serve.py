@@ -117,13 +117,13 @@ def test_the_host_queues_admission_and_the_next_chunk_while_the_device_runs(targ
 
 
 def test_chunks_follow_the_host(target):
-    """follow_host: chunks start at one step; a host that keeps the device waiting between
-    chunks queued back to back doubles them up to the bound, and chunks without a wait take
-    a step off again. The tokens are the same whatever the chunks' lengths."""
+    """follow_host: chunks start at the bound; a host that keeps the device waiting between
+    chunks queued back to back holds them there (counted as starved), whatever the chunks'
+    fixed cost; the tokens are the same whatever the chunks' lengths."""
     prompts, budgets = prompts_and_budgets(target, 5, seed=7)
     engine = Engine(target, max_batch=4, cache_size=64, max_new_cap=11, chunk_steps=8,
                     widths=(4,), follow_host=True)  # fmt: skip
-    assert engine.chunk_steps.run == {4: 1}
+    assert engine.chunk_steps.run == {4: 8}
     ids = [engine.submit(Request(p, m, [])) for p, m in zip(prompts, budgets)]
     got = {i: [] for i in ids}
     while engine.busy:
@@ -133,13 +133,29 @@ def test_chunks_follow_the_host(target):
     assert [got[i] for i in ids] == alone(target, prompts, budgets)
     assert engine.chunk_steps.run == {4: 8} and engine.stats.starved >= 3
     assert engine.stats.starved_s > 3 * 0.01
-    for _ in range(8 * 3):  # chunks the device never waited before: three steps off
-        engine.chunk_steps.observe(4, 0.0, 0.01, engine.stats)
-    assert engine.chunk_steps.run == {4: 5}
-    fixed = Engine(target, max_batch=4, cache_size=64, max_new_cap=11, chunk_steps=8,
-                   widths=(4,))  # fmt: skip
-    fixed.chunk_steps.observe(4, 1.0, 0.01, fixed.stats)  # counted, never acted on
-    assert fixed.chunk_steps.run == {4: 8} and fixed.stats.starved == 1
+    assert 8 in engine.chunk_steps.per_step[4]  # each count's seconds per step, as measured
+
+
+@pytest.mark.parametrize("fixed_s, floor", [(0.0, 1), (2.0, 5), (8.0, 10)])
+def test_chunk_steps_amortise_their_fixed_cost(fixed_s, floor):
+    """A chunk of s steps costing fixed_s + 1.4 s: from the bound (16), calm chunks walk down
+    while a step costs at most FIXED_SHARE more than at the cheapest count seen, and settle
+    at the smallest such count; a device wait doubles the steps again."""
+    from kdj.decode.turns import CALM_CHUNKS, FIXED_SHARE, ChunkSteps, TurnStats
+
+    steps, stats = ChunkSteps({1: 16}, follow_host=True), TurnStats()
+    for _ in range(CALM_CHUNKS * 40):
+        s = steps.run[1]
+        steps.observe(1, 0.0, fixed_s + 1.4 * s, s, stats)
+    cost = lambda s: fixed_s / s + 1.4  # noqa: E731
+    assert cost(floor) <= (1 + FIXED_SHARE) * cost(16) and (
+        floor == 1 or cost(floor - 1) > (1 + FIXED_SHARE) * cost(16))  # fmt: skip
+    assert steps.run[1] == floor and stats.starved == 0
+    steps.observe(1, 99.0, fixed_s + 1.4 * floor, floor, stats)  # the device waited
+    assert steps.run[1] == min(16, 2 * floor) and stats.starved == 1
+    fixed = ChunkSteps({1: 16}, follow_host=False)
+    fixed.observe(1, 1.0, 1.0, 16, stats)  # counted, never acted on
+    assert fixed.run == {1: 16} and stats.starved == 2
 
 
 def test_a_newcomers_first_token_comes_before_its_first_chunk(target):

@@ -194,9 +194,9 @@ def add_parsers(sub) -> None:
         "--max-queue", type=values.POSITIVE, default=64, help="waiting requests (default: 64)"
     )
     v.add_argument("--chunk-steps", type=values.POSITIVE,
-                   help="device steps between host turns, fixed (default: as few as keep the "
-                   "device busy, so tokens stream as committed; at most 4 at widths up to 16, "
-                   "then a quarter of the width, at most 16)")  # fmt: skip
+                   help="device steps between host turns, fixed (default: as few, up to 16, "
+                   "as keep the device busy and amortise each chunk's own cost, so tokens "
+                   "stream a few steps apart)")  # fmt: skip
     v.add_argument("--widths", type=values.POSITIVE, nargs="+",
                    help="compiled widths the pool runs at, ending at --max-batch (default: "
                    "1 4 16 ... below it; --widths N with N = --max-batch: one width)")  # fmt: skip

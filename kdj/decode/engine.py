@@ -98,7 +98,7 @@ class Engine:
     neighbours; without a seed of its own it gets one from `seed` and its id. The device
     runs `chunk_steps` steps at most (an int, or one per width: a mapping width -> steps;
     fewer steps stream tokens sooner, more give the host longer turns; with `follow_host`,
-    as few of them as keep the device busy through the host's turns), and returns early
+    as few of them as keep the device busy stepping: kdj/decode/turns.py), and returns early
     once `wake` slots, or the share
     `wake_share` of the live ones if more, have finished: 1 serves each finished request at
     once; more keeps finished slots idle a little longer for fewer host turns (serving many
@@ -585,7 +585,7 @@ class Engine:
             self.stats.tally(flight.width, flight.choices, np.asarray(report.tally))
         if flight.follows and self._idle_at is not None:
             self.chunk_steps.observe(flight.width, ran.idle_s - self._idle_at, ran.seconds,
-                                     self.stats)  # fmt: skip
+                                     int(report.ran), self.stats)  # fmt: skip
         self._idle_at = ran.idle_s
         updates, finished = [], set()
         for b, r in enumerate(flight.rows):

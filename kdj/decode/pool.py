@@ -78,6 +78,7 @@ class Report(NamedTuple):
     n: jax.Array  # [B] int32 tokens each row has emitted
     done: jax.Array  # [B] bool
     steps: jax.Array  # [B] int32 steps each row's request took while running
+    ran: jax.Array  # [] int32 steps this chunk ran
     # [len(menu) + 1, 2] int32 this chunk's steps and committed tokens per choice (index
     # len(menu): a plain step); None for plain decoding
     tally: jax.Array | None
@@ -124,7 +125,8 @@ def chunk(tgraph, tstate, dgraph, dstate, pool: Pool, bound, wake, *, plan: Plan
     tokens = jnp.take_along_axis(state.out, at, axis=1)
     tally = None if state.stats is None else state.stats.tally - entry.stats.tally
     record = None if state.logprobs is None else state.logprobs.take(at)
-    return Pool(state, steps), Report(start, tokens, state.n, state.done, steps, tally, record)
+    return Pool(state, steps), Report(start, tokens, state.n, state.done, steps,
+                                   state.step - entry.step, tally, record)  # fmt: skip
 
 
 class Admission(NamedTuple):

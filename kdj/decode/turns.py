@@ -9,8 +9,12 @@ import dataclasses
 import numpy as np
 
 # follow_host: a device wait longer than this, and than this share of the chunk before it,
-# counts as the host's; this many chunks without one take a step off a width's chunks
+# counts as the host's; this many chunks without one end a width's spell at its steps
 STARVED_S, STARVED_SHARE, CALM_CHUNKS = 2e-4, 0.1, 8
+# ... and a chunk's own fixed cost (its dispatch, loop entry and report) may make a step cost
+# this much more than in the cheapest chunks seen: fewer steps stream sooner but cost that
+FIXED_SHARE = 0.2
+EMA = 0.25  # weight of a chunk's cost per step in its step count's running mean
 
 
 @dataclasses.dataclass
@@ -44,24 +48,37 @@ class TurnStats:
 
 
 class ChunkSteps:
-    """Steps the next chunk at each width may run (`run`, width -> steps): its bound, or with
-    `follow_host` as few as keep the device busy through the host's turns, so tokens reach
-    their streams a step or so apart instead of a chunk apart."""
+    """Steps the next chunk at each width may run (`run`, width -> steps): its bound, or
+    with `follow_host` as few as keep the device busy stepping, so tokens reach their streams
+    a few steps apart instead of a chunk apart. Two costs bound it from below: the host's
+    turn, which a chunk must outlast (else the device waits: the steps double), and each
+    chunk's own fixed cost, which a chunk must amortise. The latter is measured, not assumed:
+    each width starts at its bound and walks down a step at a time, recording each step
+    count's seconds per step, while that stays within FIXED_SHARE of the cheapest seen."""
 
     def __init__(self, bounds: dict[int, int], follow_host: bool):
         self.bounds, self.follow_host = bounds, follow_host
-        self.run = {w: 1 if follow_host else b for w, b in bounds.items()}
+        self.run = dict(bounds)
         self._calm = dict.fromkeys(bounds, 0)  # chunks since the device last waited
+        self.per_step = {w: {} for w in bounds}  # width -> {steps: mean seconds per step}
 
-    def observe(self, width: int, starved_s: float, ran_s: float, stats: TurnStats) -> None:
-        """The device waited `starved_s` for the host since the chunk before this one (this
-        one ran `ran_s`) started, though the host had queued this one behind it. A wait
-        worth counting doubles this width's steps (up to its bound): the host's turn needs
-        a longer chunk to hide behind. CALM_CHUNKS chunks in a row without one take a step
-        off (down to 1). Without follow_host the waits are only counted."""
+    def observe(self, width: int, starved_s: float, ran_s: float, steps: int,
+                stats: TurnStats) -> None:  # fmt: skip
+        """A chunk of `steps` steps ran `ran_s` seconds; before it started, the device waited
+        `starved_s` for the host since the chunk before, though the host had queued it behind
+        that one (without follow_host the waits are only counted). A wait worth counting
+        doubles this width's steps (up to its bound): the host's turn needs a longer chunk to
+        hide behind. After CALM_CHUNKS chunks without one, a step comes off if the step count
+        below costs little more per step than the cheapest (or is not measured yet); a step
+        goes back on if this one costs more than that."""
         stats.starved_s += starved_s
         waited = starved_s > max(STARVED_S, STARVED_SHARE * ran_s)
         stats.starved += waited
+        costs = self.per_step[width]
+        if steps >= 1:
+            old = costs.get(steps)
+            new = ran_s / steps
+            costs[steps] = new if old is None else (1 - EMA) * old + EMA * new
         if not self.follow_host:
             return
         s = self.run[width]
@@ -69,5 +86,11 @@ class ChunkSteps:
             self.run[width], self._calm[width] = min(self.bounds[width], 2 * s), 0
             return
         self._calm[width] += 1
-        if self._calm[width] >= CALM_CHUNKS and s > 1:
-            self.run[width], self._calm[width] = s - 1, 0
+        if self._calm[width] < CALM_CHUNKS:
+            return
+        self._calm[width] = 0
+        dearest = (1 + FIXED_SHARE) * min(costs.values(), default=0.0)
+        if costs.get(s, 0.0) > dearest:
+            self.run[width] = min(self.bounds[width], s + 1)
+        elif s > 1 and costs.get(s - 1, 0.0) <= dearest:
+            self.run[width] = s - 1

@@ -26,12 +26,14 @@ from tqdm import tqdm
 from kdj import api
 from kdj.decode.engine import SERVE_WAKE_SHARE, Engine
 from kdj.decode.requests import Update
-from kdj.decode.widths import ladder
 from kdj.serve.text import MAX_N, Parsed, Scored, Served, TextStream, parse
 from kdj.serve.worker import Overloaded, Ticket, Worker
 
 POLL_S = 0.5  # how often a non-streaming handler checks that its client is still there
 LAG_PROBE_S = 0.01  # how often the event loop's lag is sampled (GET /stats)
+# the most steps a serving chunk runs: where a chunk's own cost (dispatch, loop entry, report)
+# is a few steps' worth, about that many more amortise it; the engine runs fewer when it can
+STREAM_STEPS = 16
 
 
 class LoopLag:
@@ -352,13 +354,6 @@ def completion_top(s: Scored) -> dict:
     return top
 
 
-def stream_steps(width: int) -> int:
-    """Serving's most steps per chunk at a width (the engine runs as few as keep the device
-    busy: follow_host): more at large widths, where each turn hands out `width` updates and
-    the host's turn has to stay shorter than the chunk queued behind it."""
-    return min(16, max(4, width // 4))
-
-
 def serving_engine(target, drafter=None, method: str = "ar", block_size=None, tree_budget=None,
                    max_batch: int = 8, context: int = 2048, chunk_steps=None,
                    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, widths=None,
@@ -366,15 +361,15 @@ def serving_engine(target, drafter=None, method: str = "ar", block_size=None, tr
     """The slot pool a server runs (make_app's arguments): each slot `context` tokens, a
     request up to all of them, a host turn per finished share (SERVE_WAKE_SHARE) of the
     live slots. Chunks run `chunk_steps` steps if given (an int, or one per width), else as
-    few as keep the device busy through the host's turns, up to `stream_steps` per width:
-    tokens then reach their streams about as they are committed."""
+    few, up to STREAM_STEPS, as keep the device busy and amortise each chunk's own cost
+    (kdj/decode/turns.py ChunkSteps): tokens then reach their streams a few steps apart."""
     opts = api.check_options(target, drafter, method, block_size, tree_budget, None, None,
                              temperature, top_p, None, cost)  # fmt: skip
     drafting = api.pool_drafting(opts, target, drafter, max_batch, context, context / 2,
                                  cost, widths)  # fmt: skip
     follow = chunk_steps is None
     if follow:
-        chunk_steps = {w: stream_steps(w) for w in ladder(max_batch, widths)}
+        chunk_steps = STREAM_STEPS
     return Engine(target, max_batch, context, context - 1, chunk_steps=chunk_steps, seed=seed,
                   widths=widths, wake_share=SERVE_WAKE_SHARE, follow_host=follow,
                   **drafting)  # fmt: skip
