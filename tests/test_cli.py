@@ -188,7 +188,7 @@ def test_eval_acceptance_compares_drafters_against_one_ar_run(tmp_path, capsys):
     out = tmp_path / "acc"
     argv = ["eval-acceptance", "--drafter", f"shipped={ASSET}", str(copy), "--prompts",
             str(prompts), "--datasets", "sharegpt", "--num-prompts", "2", "--max-new-tokens",
-            "6", "--budgets", "4", "--temperatures", "0", "--dtype", "bfloat16",
+            "6", "--budgets", "4", "--temperatures", "0", "--dtype", "float32",
             "--deterministic", "--out", str(out)]  # fmt: skip
     assert main(argv) == 0
     got = {k: json.loads((out / k / "acceptance.json").read_text()) for k in ("shipped", "copy")}

@@ -134,6 +134,7 @@ def test_chunks_follow_the_host(target):
     assert engine.chunk_steps.run == {4: 8} and engine.stats.starved >= 3
     assert engine.stats.starved_s > 3 * 0.01
     assert 8 in engine.chunk_steps.per_step[4]  # each count's seconds per step, as measured
+    assert engine.chunk_steps.step_ms()[4][8] > 0
 
 
 @pytest.mark.parametrize("fixed_s, floor", [(0.0, 1), (2.0, 5), (8.0, 10)])

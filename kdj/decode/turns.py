@@ -62,6 +62,12 @@ class ChunkSteps:
         self._calm = dict.fromkeys(bounds, 0)  # chunks since the device last waited
         self.per_step = {w: {} for w in bounds}  # width -> {steps: mean seconds per step}
 
+    def step_ms(self) -> dict[int, dict[int, float]]:
+        """Per width, each step count's running mean of ms a step so far (what a chunk's
+        own cost adds to its steps shows as the counts' difference)."""
+        return {w: {s: 1e3 * c for s, c in sorted(costs.items())}
+                for w, costs in self.per_step.items() if costs}  # fmt: skip
+
     def observe(self, width: int, starved_s: float, ran_s: float, steps: int,
                 stats: TurnStats) -> None:  # fmt: skip
         """A chunk of `steps` steps ran `ran_s` seconds; before it started, the device waited

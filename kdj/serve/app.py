@@ -137,7 +137,8 @@ def build_app(worker: Worker, served: Served) -> FastAPI:
         return {"method": engine.method, "engine": dataclasses.asdict(engine.stats),
                 "worker": dataclasses.asdict(worker.stats), "loop_lag": lagged,
                 "compiles": {"count": compiles.count, "seconds": compiles.seconds},
-                "chunk_steps": engine.chunk_steps.run, "pricing": pricing}  # fmt: skip
+                "chunk_steps": engine.chunk_steps.run, "step_ms": engine.chunk_steps.step_ms(),
+                "pricing": pricing}  # fmt: skip
 
     @app.get("/v1/models")
     async def models():

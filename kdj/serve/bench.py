@@ -213,6 +213,8 @@ def stats_delta(before: dict, after: dict, wall: float) -> dict:
                           if "starved_s" in after["engine"] else None),
         "turns": turns, "chunks": chunks,
         "chunk_steps": after.get("chunk_steps"),  # each width's steps at the level's end
+        # per width, ms a step at each step count run so far (the server's running means)
+        "step_ms": after.get("step_ms"),
         "turn_ms": 1e3 * d("engine", "turn_s") / turns if turns else float("nan"),
         "tokens_per_chunk": d("engine", "tokens") / chunks if chunks else float("nan"),
         "prefills": d("engine", "prefills"), "admitted": d("engine", "admitted"),
