@@ -426,8 +426,14 @@ def test_method_switch_keeps_what_the_new_method_uses():
 def test_missing_extras_name_the_install(monkeypatch, no_loading):
     import sys
 
-    for name in [m for m in sys.modules if m.startswith("kdj.train.") or m == "optax"]:
+    loaded = dict(sys.modules)
+    for name in [m for m in loaded if m.startswith("kdj.train.") or m == "optax"]:
         monkeypatch.delitem(sys.modules, name)
+        # and from its package: the imports below bind fresh modules there, which would
+        # outlive this test beside the old ones that sys.modules gets back
+        parent, _, child = name.rpartition(".")
+        if parent in loaded:
+            monkeypatch.delattr(loaded[parent], child, raising=False)
     monkeypatch.setitem(sys.modules, "optax", None)  # as if kdj[train] were not installed
     with pytest.raises(SystemExit, match=r"\[train\] extras \(optax is not installed\): "
                                          r"pip install -e '\.\[train\]'"):  # fmt: skip
