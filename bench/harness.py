@@ -65,13 +65,46 @@ def drafter_config(target: ModelConfig, model: str = "", **shape) -> DrafterConf
 
 
 def random_target(name: str, layers: int | None = None, dtype="bfloat16", mesh=None,
-                  seed: int = 0) -> kdj.Target:  # fmt: skip
+                  seed: int = 0, steady: bool = False) -> kdj.Target:  # fmt: skip
     """A target of config `name` with random weights (speed does not depend on the values,
-    except MoE routing, which a random router spreads about uniformly)."""
+    except MoE routing, which a random router spreads about uniformly); `steady`: with its
+    greedy continuation made robust to numerics (`steady_greedy`)."""
     from kdj.models.transformer import build_model
 
     model = build_model(model_config(name, layers), jnp.dtype(dtype), seed=seed)
+    if steady:
+        steady_greedy(model, seed)
     return kdj.Target.from_model(model, name=Path(name).stem, mesh=mesh)
+
+
+# what a layer's output projections are scaled by in a steady target: small beside the
+# embedding in the residual stream, so no routing flip reaches the next token's argmax
+STEADY_DAMP = 1e-2
+
+
+def steady_greedy(model, seed: int = 0) -> None:
+    """Make a random model decode one continuation whatever the batch or program (benchmarks
+    that replay its greedy answers: a random bf16 MoE's argmax and routing are near-ties that
+    every change of batch composition flips, so no recording would replay). Every layer's
+    output projections (attention's o, the MLPs' and experts' down) are scaled by
+    STEADY_DAMP, so the residual stream stays near the token's embedding, and lm_head's
+    column perm[t] is that embedding: after token t the argmax is perm[t] by a wide margin.
+    Shapes, bytes, FLOPs and the spread of routing over experts are unchanged."""
+    from flax import nnx
+
+    state = nnx.state(model, nnx.Param)
+    flat = dict(nnx.to_flat_state(state))
+    for path, var in flat.items():
+        names = [str(p) for p in path]
+        if names[-2:] in (["o", "kernel"], ["down", "kernel"]) or names[-1] == "w_down":
+            var.value = var.value * jnp.asarray(STEADY_DAMP, var.value.dtype)
+    embed = flat[("embed",)].value if ("embed",) in flat else None
+    head = flat.get(("lm_head", "kernel"))
+    if embed is None or head is None:
+        raise ValueError("steady_greedy needs an embedding and an untied lm_head")
+    perm = np.random.default_rng(seed).permutation(embed.shape[0])
+    head.value = jnp.zeros_like(head.value).at[:, perm].set(embed.T.astype(head.value.dtype))
+    nnx.update(model, nnx.from_flat_state(flat))
 
 
 def random_drafter(dcfg: DrafterConfig, dtype="bfloat16", mesh=None, seed: int = 1):

@@ -6,6 +6,8 @@ corrupted at a rate calibrated to each --taus value, so tau is chosen, not earne
     python bench/replay_table.py --model moonlight-16b-a3b --taus 3 5 \\
         --clients 1 4 16 64 256 --methods ar dflash ddtree16 auto --out $OUT/replay_table.json
 
+0. the random target made steady (bench/harness.py `steady_greedy`: its greedy answer is
+   the same whatever the batch, which a random bf16 MoE's is not; --no-steady keeps it raw);
 1. --waves x max(--clients) random prompts, lengths uniform in [--prompt-len / 2,
    --prompt-len] (ragged: the replay's keys hold positions, so fewer prompts share one);
    their greedy continuations of --max-new tokens recorded once by plain decoding through
@@ -45,6 +47,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="moonlight-16b-a3b", help="configs/models name or YAML")
     p.add_argument("--layers", type=int, help="keep the first N layers (a slice)")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--no-steady", dest="steady", action="store_false",
+                   help="keep the random weights as drawn (a bf16 MoE's greedy answers then "
+                        "change with the batch, and the replay misses them)")  # fmt: skip
     p.add_argument("--taus", type=float, nargs="+", default=[3.0, 5.0])
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     p.add_argument("--methods", nargs="+", default=["ar", "dflash", "ddtree16", "auto"],
@@ -140,13 +145,15 @@ def main(argv=None):
     if "generate" in args.drivers and args.waves < 2:
         raise SystemExit("--drivers generate needs --waves >= 2 (else no request waits for a slot)")
     methods = {m: method_args(m, args.block_size) for m in args.methods}
-    target = harness.random_target(args.model, args.layers, args.dtype, seed=args.seed)
+    target = harness.random_target(args.model, args.layers, args.dtype, seed=args.seed,
+                                   steady=args.steady)  # fmt: skip
     vocab = target.cfg.vocab_size
     prompts = prompts_for(vocab, args.waves * max(args.clients), args.prompt_len, args.seed)
     context = -(-(args.prompt_len + args.max_new + args.block_size) // 64) * 64
     t0 = time.perf_counter()
     rec = replay.record(target, prompts, args.max_new, max_batch=max(args.clients))
-    meta = {"model": args.model, "layers": target.cfg.num_layers, "weights": "random",
+    weights = "random, steady greedy (harness.steady_greedy)" if args.steady else "random"
+    meta = {"model": args.model, "layers": target.cfg.num_layers, "weights": weights,
             "drafter": "replay (benchmarks only)", "record_s": time.perf_counter() - t0,
             "context": context}  # fmt: skip
     rows, result = [], {"meta": meta, "calibration": [], "rows": []}

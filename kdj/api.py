@@ -18,7 +18,7 @@ import numpy as np
 
 from kdj import arguments
 from kdj.cache import init_cache
-from kdj.decode import auto, loop, tune
+from kdj.decode import auto, loop, picks, tune
 from kdj.decode import logprobs as lps
 from kdj.decode.logprobs import TokenLogprob
 from kdj.decode.sampling import request_keys
@@ -253,6 +253,21 @@ def priced_menu(shapes, target, drafter, batch: int, context: float, cost):
     return auto.paying_menu(shapes, cost, batch, context, *priors), cost
 
 
+def pool_menu(shapes, target, drafter, batch: int, context: float, cost):
+    """(menu, StepCost) of a slot pool's width of `batch` rows: auto's entries worth
+    compiling there, each priced alone (a pool's chunk runs one entry, picked from what the
+    chunks measure: kdj/decode/picks.py), "none" always; one entry (DFlash, DDTree) as it is."""
+    if len(shapes) <= 1:
+        return shapes, None
+    cost = auto.step_cost(tune.resolve(cost, target, drafter, shapes, batch, context), target,
+                          drafter)  # fmt: skip
+    prior, measured = drafter.prior_acceptance, drafter.entry_acceptance
+    rates = [auto.entry_rate(s, cost, batch, context, auto.largest_tree((s,)), prior, measured)
+             for s in shapes]  # fmt: skip
+    keep = picks.worth_compiling(rates, [s.kind == "none" for s in shapes], prior > 0)
+    return tuple(s for s, k in zip(shapes, keep) if k), cost
+
+
 def pack(target, prompts, tokenizer, max_new_tokens, stop_tokens, cache_size) -> Batch:
     """Check and pack the prompts, budgets and stop ids; choose the cache capacity."""
     ids = _as_token_lists(target, prompts, tokenizer)
@@ -338,9 +353,10 @@ def stream_seeds(seed, B: int) -> dict:
 def pool_drafting(opts: Options, target, drafter, max_batch: int, cache_size: int,
                   context: float, cost=None, widths=None) -> dict:  # fmt: skip
     """The engine's drafting arguments (kdj/decode/engine.py `Engine`) for checked options:
-    auto's menu priced at each width of the pool's ladder (`widths` as the engine takes it) at
-    `context` (every step runs all rows of its width; the menu decides the compiled shapes);
-    none when plain decoding is what runs at every width."""
+    auto's menu at each width of the pool's ladder (`widths` as the engine takes it), the
+    entries priced at `context` to rank them until the pool has measured them and to leave
+    out those priced far below the best (`pool_menu`); none when plain decoding is what runs
+    at every width."""
     if opts.method == "ar":
         return {}
     shapes = arguments.cap_trees(opts.shapes, arguments.tree_cap(cache_size, [1]))
@@ -348,7 +364,7 @@ def pool_drafting(opts: Options, target, drafter, max_batch: int, cache_size: in
     costs = dict.fromkeys(ladder, cost)
     if len(shapes) > 1:  # only auto prices a menu: one tuning pass for the whole ladder
         costs = tune.resolve_widths(cost, target, drafter, shapes, ladder, context)
-    priced = {w: priced_menu(shapes, target, drafter, w, context, costs[w]) for w in ladder}
+    priced = {w: pool_menu(shapes, target, drafter, w, context, costs[w]) for w in ladder}
     if all(s.kind == "none" for menu, _ in priced.values() for s in menu):
         return {}
     return {"drafter": drafter, "block_size": opts.block_size,

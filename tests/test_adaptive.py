@@ -243,59 +243,6 @@ def test_hysteresis_keeps_drafting_just_below_break_even():
         assert bool(auto.drafting_pays(shapes, gains, active, cost, 100.0, h)) == slack
 
 
-def test_admission_resets_a_slots_forecasts_to_the_prior():
-    """The slot pool keeps the controller's forecasts per slot: a slot that takes a new
-    request restarts from the calibrated priors (nothing of its last request's trend, weight
-    or bias counts), the other slots keep theirs, and a batch that had stopped drafting
-    drafts again when the newcomer's prior says drafting pays (or is unknown)."""
-    from kdj.decode.state import Plan
-
-    shapes = tuple(DraftShape(*s) for s in (("none",), ("chain", 3), ("tree", 16)))
-    # a drafted step costs 1.77 plain steps, whatever the batch
-    cost = dataclasses.replace(StepCost.for_config(moonlight()), fixed_s=1.0, per_byte_s=0.0,
-                               per_flop_s=0.0, draft_fixed_s=0.77)  # fmt: skip
-    plan = Plan(True, 16, 4, shapes, cost)
-    prior = jnp.array([1.0, 2.5, 3.0])
-    lengths, active = jnp.array([10, 30]), jnp.ones((2,), bool)
-    ctrl = auto.init_controller(plan, prior, lengths, active)
-    assert bool(ctrl.drafting)  # the prior pays: 3 tokens for 1.77 plain steps
-    # both slots' requests drafted a while and found little: the batch went back to plain
-    seen = dataclasses.replace(
-        ctrl, trend=jnp.full((3, 2), 1.1), drafts=ctrl.drafts + 7,
-        hits=jnp.array([[3.0, 1.0], [4.0, 2.0]]), drafting=jnp.bool_(False),
-        wait=jnp.int32(32), since=jnp.int32(5),
-    )  # fmt: skip
-    assert not bool(auto.drafting_pays(shapes, seen.trend, active, cost, 20.0))
-    rows = jnp.array([True, False])
-    got = auto.admit(seen, plan, prior, rows, lengths, active)
-    np.testing.assert_array_equal(got.trend[:, 0], prior)
-    np.testing.assert_array_equal(got.trend[:, 1], seen.trend[:, 1])
-    np.testing.assert_array_equal(got.drafts, [auto.HITS_PRIOR, auto.HITS_PRIOR + 7])
-    np.testing.assert_array_equal(got.hits, [[0.0, 1.0], [0.0, 2.0]])
-    np.testing.assert_array_equal(auto.pooled(got), auto.HITS_PRIOR + jnp.array([1.0, 2.0]))
-    # (3.0 + 1.1) tokens of a tree16 step per 1.77 beat 2 plain tokens: draft from now on
-    assert bool(got.drafting) and int(got.wait) == auto.PROBE_MIN and int(got.since) == 5
-    # a newcomer whose prior does not pay leaves the plain run to its probe
-    low = auto.admit(seen, plan, jnp.array([1.0, 1.2, 1.3]), rows, lengths, active)
-    assert not bool(low.drafting) and (int(low.wait), int(low.since)) == (32, 5)
-    np.testing.assert_allclose(low.trend[:, 0], [1.0, 1.2, 1.3])
-    # an unknown prior (0): the newcomer's first step drafts to find out
-    unknown = auto.admit(seen, plan, jnp.zeros(3), rows, lengths, active)
-    assert bool(unknown.drafting)
-    np.testing.assert_array_equal(unknown.trend[:, 0], 1.0)
-    assert float(unknown.drafts[0]) == 0.0
-    # nobody admitted (padding rows only): nothing changes
-    same = auto.admit(seen, plan, prior, jnp.zeros((2,), bool), lengths, active)
-    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), same, seen))
-    # an idle pool's newcomers start as a static run of theirs does
-    both = jnp.ones((2,), bool)
-    for p in (prior, jnp.array([1.0, 1.2, 1.3])):
-        got = auto.admit(seen, plan, p, both, lengths, active)
-        start = auto.init_controller(plan, p, lengths, active)
-        assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), got, start))
-    assert not bool(start.drafting) and int(start.wait) >= auto.PROBE_MIN
-
-
 def test_the_menu_keeps_only_entries_that_can_pay_at_the_batch_size():
     """paying_menu prices each entry's drafted step (draft pass with its own tree + verify)
     against a plain step at the calibrated tokens per step: bandwidth-bound steps keep every
@@ -549,9 +496,9 @@ def test_bench_adaptive_compares_ar_across_batch_sizes():
 
 
 def test_autos_step_copies_no_layer_of_the_caches(vocab12_pair):
-    """auto verifies each menu entry in a loop of its own: its compiled pool chunk copies no
-    layer of the target's or the drafter's cache (a conditional whose branches write the
-    cache would copy every layer, every step)."""
+    """auto verifies each menu entry in a loop of its own (and in the pool, a chunk pinned to
+    each entry): no compiled pool chunk copies a layer of the target's or the drafter's cache
+    (a conditional whose branches write the cache would copy every layer, every step)."""
     import re
 
     from kdj.decode import pool
@@ -564,7 +511,9 @@ def test_autos_step_copies_no_layer_of_the_caches(vocab12_pair):
     engine.warm(modes=(True,))
     state = engine.pool.state
     layers = {tuple(x.shape) for x in state.tcache.k + state.tcache.v + state.dcache.k}
-    (program,) = target.executables.compiled(pool.chunk)
-    copies = re.finditer(r"= f32\[([\d,]+)\]\{[^}]*\} copy\(", program.as_text())
-    copied = {tuple(int(d) for d in m.group(1).split(",")) for m in copies}
-    assert layers and not layers & copied, f"layer caches copied: {layers & copied}"
+    programs = target.executables.compiled(pool.chunk)
+    assert len(programs) == len(menu)  # one per entry
+    for program in programs:
+        copies = re.finditer(r"= f32\[([\d,]+)\]\{[^}]*\} copy\(", program.as_text())
+        copied = {tuple(int(d) for d in m.group(1).split(",")) for m in copies}
+        assert layers and not layers & copied, f"layer caches copied: {layers & copied}"

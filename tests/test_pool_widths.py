@@ -238,16 +238,17 @@ def test_a_full_pool_never_resizes(vocab12_pair):
     assert set(engine.chunk_widths) == {4} and engine.resizes == 0
 
 
-def test_auto_is_priced_at_each_width(vocab12_pair):
-    """Steps whose cost grows with their rows (each verified token-row a tenth of a plain
-    step's fixed cost): at width 1 drafting pays and stays on the menu, at 8 nothing but
-    "none" would; that width keeps the cheapest draft shape so its slots keep the drafter's
-    context (auto there skips the drafter unless the slots' forecasts say it pays)."""
+def test_auto_compiles_at_each_width_what_may_pay(vocab12_pair):
+    """Steps whose cost grows with their rows (each verified token-row 0.3 of a plain
+    step's fixed cost): each width compiles plain steps and the entries the model prices at
+    half the best or more there (the pool measures the rest of the way); a width left with
+    plain steps alone keeps the cheapest draft shape, so its slots keep the drafter's
+    context."""
     target, drafter = vocab12_pair
     drafter = dataclasses.replace(drafter, prior_acceptance=2.0)
     base = StepCost.for_config(target.cfg)
     row = base.flops_per_token + 16 * base.attn_flops_per_context  # a token-row's flops
-    cost = dataclasses.replace(base, fixed_s=1.0, per_byte_s=0.0, per_flop_s=0.1 / row,
+    cost = dataclasses.replace(base, fixed_s=1.0, per_byte_s=0.0, per_flop_s=0.3 / row,
                                draft_bytes=1.0, draft_fixed_frac=0.0, draft_flops_per_seq=0.0,
                                draft_fixed_s=0.05)  # fmt: skip
     menu = ["none", "chain", "tree12"]
@@ -255,8 +256,14 @@ def test_auto_is_priced_at_each_width(vocab12_pair):
     drafting = kdj.api.pool_drafting(opts, target, drafter, 8, 64, 10.0, cost, widths=LADDER)
     menus = drafting["menu"]
     assert list(menus) == list(LADDER)
-    assert menus[1] == (DraftShape("none"), DraftShape("chain", 5))  # tree12 never pays
-    assert menus[8] == (DraftShape("none"),)
+    step = auto.step_cost(cost, target, drafter)
+    for w in LADDER:  # each entry priced alone, as a pinned chunk runs it
+        rates = {str(s): auto.entry_rate(s, step, w, 10.0, auto.largest_tree((s,)), 2.0)
+                 for s in opts.shapes}  # fmt: skip
+        top = max(rates.values())
+        assert [str(s) for s in menus[w]] == [n for n, r in rates.items()
+                                              if n == "none" or r >= top / 2]  # fmt: skip
+    assert menus[1] == opts.shapes and menus[8] == (DraftShape("none"),)
     engine = Engine(target, 8, 64, 23, widths=LADDER, **drafting)
     assert engine.plans[8].menu == (DraftShape("none"), DraftShape("chain", 5))
     assert engine.plans[1].menu == menus[1] and engine.method == "auto"

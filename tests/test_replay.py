@@ -118,3 +118,28 @@ def test_bench_replay_table_runs_on_a_tiny_moe(tmp_path):
     assert [r["method"] for r in rows] == ["ar", "dflash"]
     assert all(r["clients"] == 2 and r["requests"] == 4 and r["tokens"] == 64 for r in rows)
     assert rows[0]["tau"] == 1.0 and rows[1]["tau"] > 1.5
+    assert result["meta"]["weights"].startswith("random, steady")
+    assert all(r["same_as_recording"] == 1.0 for r in rows)
+
+
+def test_a_steady_random_target_decodes_one_chain_in_bf16(tmp_path):
+    """bench/harness.py steady_greedy: a random bf16 MoE whose greedy answer after token t
+    is perm[t], by a margin no numerics flip: the same through a pool of 3 and a static
+    batch (what lets the replay table's recordings replay on a GPU)."""
+    cfg = tmp_path / "tiny-moe.yaml"
+    cfg.write_text(TINY_MOE)
+    harness = load_bench("harness")
+    model = build_model(harness.model_config(str(cfg)), jnp.bfloat16, seed=0)
+    harness.steady_greedy(model, seed=0)
+    target = kdj.Target.from_model(model, name="tiny")
+    rng = np.random.default_rng(0)
+    V = target.cfg.vocab_size
+    prompts = [rng.integers(0, V, int(rng.integers(4, 12))).tolist() for _ in range(7)]
+    pooled = kdj.generate(target, prompts, method="ar", max_new_tokens=24, stop_tokens=[],
+                          max_batch=3).tokens  # fmt: skip
+    static = kdj.generate(target, prompts, method="ar", max_new_tokens=24, stop_tokens=[]).tokens
+    assert pooled == static
+    perm = np.random.default_rng(0).permutation(V)
+    for p, seq in zip(prompts, pooled):
+        chain = [p[-1], *seq]
+        assert all(perm[a] == b for a, b in zip(chain, chain[1:]))

@@ -327,26 +327,6 @@ def test_auto_says_why_it_drafts_where_it_does(vocab12_pair):
     assert stats_delta(before, after, 1.0)["pricing"] == {"4": {"none": 4.0}}
 
 
-def test_pool_admission_resets_the_slots_forecast(vocab12_pair):
-    """A request admitted into the slot another auto request drafted in starts from the
-    priors, not from that request's forecasts (one slot; the newcomer ends at admission, so
-    no step runs after it)."""
-    target, drafter = vocab12_pair
-    menu = auto.parse_menu("auto", None, 6, None)
-    engine = Engine(target, max_batch=1, cache_size=64, max_new_cap=23, drafter=drafter,
-                    menu=menu)  # fmt: skip
-    engine.submit(Request([3, 1, 4, 1, 5], 23, []))
-    while engine.busy:
-        engine.step()
-    ctrl = engine.pool.state.auto
-    assert float(ctrl.drafts[0]) > 0 and bool(jnp.any(ctrl.trend[:, 0] != 1.0))
-    engine.submit(Request([9, 2], 1, []))
-    assert [u.finished for u in engine.step() + engine.step()] == [True]
-    ctrl = engine.pool.state.auto  # unknown priors: 1 token per step, no drafts behind it
-    np.testing.assert_array_equal(ctrl.trend[:, 0], 1.0)
-    assert float(ctrl.drafts[0]) == 0.0 and not bool(jnp.any(ctrl.hits[:, 0]))
-
-
 # ---------------------------------------------------------------------------- the server
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,!?'-:;ABCDEFGHIJKLMNOPQRSTUVWXYZ\n"
 SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>"]

@@ -303,31 +303,6 @@ def init_controller(plan, prior, lengths, active) -> Controller:
     )
 
 
-def admit(ctrl: Controller, plan, prior, rows, lengths, active) -> Controller:
-    """Slots `rows` [B] bool took new requests: their forecasts restart from the prior (a
-    newcomer inherits nothing of the request that held its slot). A batch that skips the
-    drafter starts drafting now when the live slots' forecasts say it pays (or a newcomer's
-    prior is unknown: its first step drafts to find out); else its plain run goes on to the
-    probe already due. An idle pool's newcomers start as a run of their own would."""
-    gains, drafts, known = fresh_rows(plan, prior, rows.shape[0])
-    ctrl = dataclasses.replace(
-        ctrl, trend=jnp.where(rows[None], gains, ctrl.trend),
-        drafts=jnp.where(rows, drafts, ctrl.drafts), hits=jnp.where(rows[None], 0.0, ctrl.hits),
-    )  # fmt: skip
-    if not plan.can_skip:
-        return ctrl
-    context = mean_context(lengths, active)
-    pays = drafting_pays(plan.menu, ctrl.trend, active, plan.cost, context)
-    enter = ~ctrl.drafting & jnp.any(rows & active) & (pays | ~known)
-    idle = ~jnp.any(active & ~rows)
-    start = init_controller(plan, prior, lengths, active)
-    return dataclasses.replace(
-        ctrl, drafting=jnp.where(idle, start.drafting, ctrl.drafting | enter),
-        wait=jnp.where(idle, start.wait, jnp.where(enter, PROBE_MIN, ctrl.wait)),
-        since=jnp.where(idle, 0, ctrl.since),
-    )  # fmt: skip
-
-
 def observe(ctrl: Controller, plan, raw, gains, choice, a, active, limit, lengths, capacity):
     """Fold a drafted step into the running mean and the bias correction. raw / gains [S, B]:
     its forecasts before / after correction; a [B]: drafts accepted; lengths: before the
@@ -376,17 +351,3 @@ def remenu(ctrl: Controller, menu, plan, prior) -> Controller:
     rows = [ctrl.trend[menu.index(s)] if s in menu else fresh[i]
             for i, s in enumerate(plan.menu)]  # fmt: skip
     return dataclasses.replace(ctrl, trend=jnp.stack(rows))
-
-
-def rewidth(ctrl: Controller, plan, lengths, active) -> Controller:
-    """The draft-or-skip state decided anew for a pool moved to another width (steps are
-    priced at the compiled width): drafting when the live slots' forecasts say it pays there,
-    or a live slot has none yet (unknown priors: its first step drafts to find out); else a
-    plain run until a probe."""
-    context = mean_context(lengths, active)
-    pays = drafting_pays(plan.menu, ctrl.trend, active, plan.cost, context)
-    drafting = pays | jnp.any(active & (ctrl.drafts == 0))
-    later = probe_wait(plan.menu, plan.cost, active.shape[0], context, 0)
-    wait = jnp.where(drafting, PROBE_MIN, later).astype(jnp.int32)
-    return dataclasses.replace(ctrl, drafting=drafting, wait=wait, since=jnp.int32(0),
-                               left=jnp.int32(0))  # fmt: skip

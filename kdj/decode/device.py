@@ -107,10 +107,10 @@ class Joined(NamedTuple):
     logprobs: Logprobs | None  # [newcomers, 1] the first tokens', when the pool records
 
 
-def prefill_chunk(pool_: pool.Pool, fn, ts, ds, new, prior, last=None):
+def prefill_chunk(pool_: pool.Pool, fn, ts, ds, new, last=None):
     """One prefill call; after an admission's last (last: pool.first_tokens compiled for the
     pool, and the admission's rows), a Joined with the newcomers' first tokens."""
-    pool_ = fn(ts, ds, pool_, new, prior)
+    pool_ = fn(ts, ds, pool_, new)
     if last is None:
         return pool_
     first_tokens, rows = last

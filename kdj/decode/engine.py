@@ -8,8 +8,9 @@
                                           the prompts' lengths; `warm` compiles it ahead)
     re-enter                          ->  ONE while_loop of the decode loop's own body over
                                           the whole pool (plain_step; with a drafter, DFlash's
-                                          or DDTree's drafted_step, or auto's runs of both),
-                                          until `wake` slots finish or `chunk_steps` steps ran
+                                          or DDTree's drafted_step, or for auto the entry of
+                                          its menu the host picked for this chunk), until
+                                          `wake` slots finish or `chunk_steps` steps ran
     retire finished slots, hand out   <-  a Report: each row's new tokens, n / done / steps
     the new tokens                        (never the caches)
 
@@ -31,11 +32,11 @@ packs the live rows into a narrower pool, or spreads them into a wider one befor
 A newcomer's prefill stalls the running slots for ceil(longest prompt / prefill_chunk) calls
 of at most `admit_rows` rows, per group of newcomers; slots finishing wake the host (`wake`:
 1 when serving, or a share of the live slots, `wake_share`, with many in flight), so a free
-slot waits at most one chunk. AR, DFlash, DDTree and auto run
-on the pool; auto's menu is priced per width when the engine is built (it decides each
-width's compiled shapes), its forecasts are per slot (reset on admission, moved with their
-slot), and its draft-or-skip decision is the batch's, re-made at each admission, resize and
-drafted step.
+slot waits at most one chunk. AR, DFlash, DDTree and auto run on the pool. auto's chunks
+each run one entry of its menu (plain steps, a chain, a tree) as that fixed method would,
+picked on the host per width from the tokens per second the chunks measured
+(kdj/decode/picks.py); the cost model only ranks the entries before they are measured and
+leaves out of a width's compiled menu those it prices far below the best there.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from kdj import arguments
 from kdj.decode import auto, device, pool
 from kdj.decode import logprobs as lps
 from kdj.decode.device import DeviceQueue
+from kdj.decode.picks import Picks
 from kdj.decode.pool import STOP_WIDTH
 from kdj.decode.requests import Request, Update, mode_of
 from kdj.decode.state import Plan
@@ -148,6 +150,9 @@ class Engine:
         self.priors = {w: jnp.zeros((1,), jnp.float32) for w in self.widths}  # auto's, per entry
         if drafter is not None:
             self._drafting_plans(drafter, block_size, menu, cost)
+        # auto's entry per chunk, per width, from what the chunks measured (kdj/decode/picks.py)
+        priced = self.pricing()
+        self.picks = Picks({w: list(p.values()) for w, p in priced.items()})
         self.greedy, self.wake, self.lookahead = True, wake, lookahead
         self.logprobs = False  # whether the pool records log-probabilities (its mode's)
         self.wake_share = wake_share
@@ -231,20 +236,26 @@ class Engine:
         return self._programs[key]
 
     def pricing(self) -> dict[int, dict[str, float]]:
-        """Why auto drafts where it does: per width, each entry of the menu priced for it
-        and the tokens per second the cost model predicts for a full pool running it ("none":
-        plain steps), at the entry's prior tau (0 without one: auto drafts to find out) and
-        half a slot's context (where kdj serve prices its menus). Empty for AR and the fixed
-        methods."""
+        """What the cost model says of auto's entries: per width, each entry of the menu and
+        the tokens per second it predicts for a full pool running that entry alone (as a chunk
+        pinned to it does; "none": plain steps), at the entry's prior tau (0 without one) and
+        half a slot's context. It ranks the entries until the chunks have measured them
+        (`picks`). Empty for AR and the fixed methods."""
         d = self.drafter
         out = {}
         for w, plan in self.plans.items():
             if plan.adaptive:
-                built = auto.largest_tree(plan.menu)
-                out[w] = {str(s): w * auto.entry_rate(s, plan.cost, w, self.S / 2, built,
+                out[w] = {str(s): w * auto.entry_rate(s, plan.cost, w, self.S / 2,
+                                                      auto.largest_tree((s,)),
                                                       d.prior_acceptance, d.entry_acceptance)
                           for s in plan.menu}  # fmt: skip
         return out
+
+    def measured(self) -> dict[int, dict]:
+        """Why auto runs what it runs: per width it has run at, the entry it runs now and each
+        entry's measured tokens per live row per second beside the cost model's (`Picks`)."""
+        names = {w: tuple(map(str, plan.menu)) for w, plan in self.plans.items()}
+        return self.picks.report(names)
 
     @property
     def plan(self) -> Plan:
@@ -322,6 +333,7 @@ class Engine:
         self.sent.clear()
         self.steps.clear()
         self.inflight.clear()
+        self.picks.requeue()
         self.newcomers.clear()
         self.cancelled.clear()
         self.pool = self._empty(self.width)
@@ -347,6 +359,10 @@ class Engine:
         if live and len(self.inflight) <= self.lookahead:
             self.chunk_widths.append(self.width)
             plan = dataclasses.replace(self.plan, greedy=self.greedy)
+            pin, recheck = None, False
+            if plan.adaptive:  # auto: one entry a chunk, picked from what chunks measured
+                pin, recheck = self.picks.next(self.width)
+                plan = dataclasses.replace(plan, pin=pin)
             fn = self._chunk_program(self._shape(self.width), self.width, plan)
             wake = max(self.wake, math.ceil(self.wake_share * live))
             _, ts, _, ds = self._graphs()
@@ -356,7 +372,7 @@ class Engine:
             choices = (*map(str, self.plans[self.width].menu), "plain")
             chunk, follows = self.stats.chunks, bool(self.inflight)
             self.inflight.append(InFlight(ran, list(self.slots), self.width, choices, chunk,
-                                          follows))  # fmt: skip
+                                          follows, pin, recheck))  # fmt: skip
             self.stats.chunks += 1
             self.stats.widths[self.width] = self.stats.widths.get(self.width, 0) + 1
         if self.inflight and (len(self.inflight) > self.lookahead or not live):
@@ -370,7 +386,7 @@ class Engine:
         """The compiled chunk of a pool of `width` slots (`pool_`: such a pool)."""
         tg, ts, dg, ds = self._graphs()
         window = min(self.N, pool.window(plan, self.bounds[width]))
-        key = ("chunk", width, plan.greedy, plan.logprobs)
+        key = ("chunk", width, plan.greedy, plan.logprobs, plan.pin)
         return self._program(key, pool.chunk, tg, ts, dg, ds, pool_, np.int32(0), np.int32(0),
                              options=self._xla, plan=plan, width=window)  # fmt: skip
 
@@ -452,7 +468,8 @@ class Engine:
         for greedy in modes:
             for w in self.widths:
                 plan = dataclasses.replace(self._layout(w), greedy=greedy)
-                jobs.append(("chunk", w, plan))
+                pins = range(len(plan.menu)) if plan.adaptive else [None]
+                jobs += [("chunk", w, dataclasses.replace(plan, pin=p)) for p in pins]
                 jobs += [("prefill", w, plan, a) for a in self._row_buckets(w)]
         jobs += [("resize", a, b) for a in self.widths for b in self.widths if a != b]
         jobs += [("width", w) for w in self.widths]
@@ -469,8 +486,8 @@ class Engine:
             elif job[0] == "prefill":
                 _, w, plan, a = job
                 new = jax.device_put(pool.blank(a, self.C, w))
-                get(pool.prefill, tg, ts, dg, ds, empty(w), new, self.priors[w],
-                    options=self._xla, plan=plan)  # fmt: skip
+                get(pool.prefill, tg, ts, dg, ds, empty(w), new, options=self._xla,
+                    plan=plan)  # fmt: skip
                 get(pool.first_tokens, empty(w), np.zeros(a, np.int32))
             elif job[0] == "width":  # freeing slots; an idle pool's new width (eager ops)
                 w = job[1]
@@ -535,9 +552,9 @@ class Engine:
             new = jax.device_put(pool.prompt_chunk(rows, c, C, W))  # one transfer per chunk
             key = ("prefill", W, A, plan.greedy, plan.logprobs)
             fn = self._program(key, pool.prefill, tg, ts, dg, ds, self._shape(W), new,
-                               self.priors[W], options=self._xla, plan=plan)  # fmt: skip
+                               options=self._xla, plan=plan)  # fmt: skip
             last = self._first_tokens_at(free[: len(take)], A) if c == chunks - 1 else None
-            joined = self.device.queue(device.prefill_chunk, fn, ts, ds, new, self.priors[W], last)
+            joined = self.device.queue(device.prefill_chunk, fn, ts, ds, new, last)
             self.stats.prefills += 1
         # the chunk queued next is the first they run in: their first tokens come before it
         self.newcomers.append(Newcomers(joined, take, self.stats.chunks))
@@ -581,13 +598,15 @@ class Engine:
         start, tokens, n, done, steps = (np.asarray(x) for x in report[:5])
         logprobs = jax.tree.map(np.asarray, report.logprobs)  # None: the pool records none
         self.stats.wait_s += time.perf_counter() - t0
-        if report.tally is not None:
-            self.stats.tally(flight.width, flight.choices, np.asarray(report.tally))
-        if flight.follows and self._idle_at is not None:
+        tally = None if report.tally is None else np.asarray(report.tally)
+        if tally is not None:
+            self.stats.tally(flight.width, flight.choices, tally)
+        # a re-check of another auto entry is not the width's steady cost per step
+        if flight.follows and self._idle_at is not None and not flight.recheck:
             self.chunk_steps.observe(flight.width, ran.idle_s - self._idle_at, ran.seconds,
                                      int(report.ran), self.stats)  # fmt: skip
         self._idle_at = ran.idle_s
-        updates, finished = [], set()
+        updates, finished, row_steps = [], set(), 0
         for b, r in enumerate(flight.rows):
             if r is None or r.id not in self.sent:  # free, or cancelled since
                 continue
@@ -600,6 +619,7 @@ class Engine:
             if r.logprobs is not None:
                 record = lps.rows(logprobs, b, sent, end, r.logprobs)
             self.stats.tokens += len(new)
+            row_steps += int(steps[b]) - self.steps[r.id]
             self.sent[r.id], self.steps[r.id] = int(n[b]), int(steps[b])
             if new or done[b]:
                 updates.append(Update(r.id, new, bool(done[b]), int(steps[b]), record))
@@ -608,7 +628,21 @@ class Engine:
                 del self.sent[r.id], self.steps[r.id]
         if finished:  # their rows, wherever a resize has moved them since
             self.slots = [None if r is not None and r.id in finished else r for r in self.slots]
+        if flight.pin is not None:
+            self._measure(flight, tally, row_steps, int(report.ran), ran.seconds)
         return updates
+
+    def _measure(self, flight: InFlight, tally, row_steps: int, steps: int, seconds: float):
+        """Feed auto's picks a chunk pinned to one entry: its committed tokens (a plain
+        step's tally row is the last), live row-steps, steps and seconds. A width whose best
+        entry changed searches its chunk length afresh: the steps cost what the new one costs."""
+        menu = self.plans[flight.width].menu
+        row = len(menu) if menu[flight.pin].kind == "none" else flight.pin
+        before = self.picks.best(flight.width)
+        self.picks.observe(flight.width, flight.pin, int(tally[row, 1]), row_steps, steps,
+                           seconds, flight.recheck)  # fmt: skip
+        if self.picks.best(flight.width) != before:
+            self.chunk_steps.forget(flight.width)
 
 
 class InFlight(NamedTuple):
@@ -620,6 +654,8 @@ class InFlight(NamedTuple):
     choices: tuple[str, ...]  # the names of the report's tally rows
     chunk: int  # its place among the engine's chunks (0, 1, ...)
     follows: bool  # queued while the chunk before it was in flight (the device had work)
+    pin: int | None = None  # auto: the menu entry it ran (Plan.pin)
+    recheck: bool = False  # auto: a re-check of an entry other than the width's best
 
 
 class Newcomers(NamedTuple):

@@ -7,7 +7,8 @@ from kdj/decode/step.py:
     auto    the same drafted step in one inner loop per menu entry, each running while the
             slots' running forecasts pick its entry; while drafting is not forecast to pay,
             runs of plain_step that queue the drafter's features, then flush
-            (kdj/decode/auto.py decides)
+            (kdj/decode/auto.py decides); in the slot pool, a chunk pinned to one entry
+            runs that entry alone (`pinned`), and the host picks the entry
 """
 
 from __future__ import annotations
@@ -95,6 +96,8 @@ def body(target, drafter, plan: Plan, going=None):
                 return plain_step(target, s, plan.greedy, logprobs=plan.logprobs)
 
         return step
+    if plan.pin is not None:
+        return pinned(target, drafter, plan, going)
     if not plan.adaptive:
         return lambda s: drafted_step(target, drafter, s, plan)
     if not plan.can_skip:
@@ -128,12 +131,12 @@ def drafted_step(target, drafter, state: DecodeState, plan: Plan, entry: int = 0
     with scope("draft"):
         dist, state = draft(target, drafter, state, plan.block_size)
     with scope("propose"):  # one build of the menu's largest tree: smaller ones are its nodes
-        built = auto.largest_tree(plan.menu)
+        built = auto.largest_tree(plan.shapes)
         full = trees.draft_trees(dist, built, limit) if built else None
     raw = None
     if plan.forecasts:
         with scope("forecast"):
-            raw = auto.expected(plan.menu, dist, full, state.calibration)  # [S, B]
+            raw = auto.expected(plan.shapes, dist, full, state.calibration)  # [S, B]
     taps = drafter.cfg.target_layer_ids
     args = (dist, full, state.tcache, state.last, limit, key, state.temperature, state.top_p)
     choice = jnp.int32(entry)
@@ -143,7 +146,7 @@ def drafted_step(target, drafter, state: DecodeState, plan: Plan, entry: int = 0
         expect = jnp.where(active, raw[choice] if raw is not None else jnp.nan, 0)
         size = jnp.where(active, acc.size, 0)
         state = dataclasses.replace(state, stats=state.stats.record(i, count, size, choice, expect))
-    if plan.adaptive:
+    if plan.controlled:
         with scope("control"):
             gains = auto.corrected(raw, auto.pooled(state.auto))
             ctrl = auto.observe(state.auto, plan, raw, gains, choice, acc.a, active, limit, L,
@@ -163,6 +166,25 @@ def skip_step(target, drafter, state: DecodeState, plan: Plan) -> DecodeState:
     ones = active.astype(jnp.int32)
     stats = state.stats.record(i, ones, 0, len(plan.menu), active.astype(jnp.float32))
     return dataclasses.replace(state, stats=stats, auto=auto.skipped(state.auto))
+
+
+def pinned(target, drafter, plan: Plan, going):
+    """The body of a program pinned to one entry of auto's menu (the slot pool's host picks
+    it per chunk): its drafted step alone; for "none", plain steps that queue the drafter's
+    features until the queue is full, then its flush, so a later drafted chunk finds the
+    drafter's context complete."""
+    if plan.menu[plan.pin].kind != "none":
+        return lambda s: drafted_step(target, drafter, s, plan, plan.pin)
+
+    def plain_run(s):
+        room = s.pending.shape[1] - jnp.max(s.n_pend)
+        s = dataclasses.replace(s, auto=dataclasses.replace(s.auto, left=room))
+        s = jax.lax.while_loop(lambda t: going(t) & (t.auto.left > 0),
+                               lambda t: skip_step(target, drafter, t, plan), s)  # fmt: skip
+        with scope("flush"):
+            return flush(drafter, s)
+
+    return plain_run
 
 
 def auto_runs(target, drafter, state: DecodeState, plan: Plan, going) -> DecodeState:

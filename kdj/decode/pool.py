@@ -14,13 +14,11 @@
             `Report`: what the host reads of it, in buffers of their own
 
 `Pool` carries, beside the DecodeState, each slot's steps since admission: a request's tokens
-per step, (tokens - 1) / steps (the first token comes from prefill). method="auto" keeps its
-controller's forecasts per slot (kdj/decode/auto.py `Controller`): admission resets a slot's
-to the calibrated priors. Its steps are priced at the pool's B rows (its compiled width:
-the engine keeps B near the live slots, kdj/decode/widths.py), whatever the number of live
-slots (free and finished slots ride along, so a step costs what a step of B rows costs),
-and they earn what the live slots' forecasts add up to (`auto.choose` and
-`auto.drafting_pays` count active rows only). The state's step-indexed
+per step, (tokens - 1) / steps (the first token comes from prefill). method="auto" runs
+each chunk pinned to one entry of its menu (Plan.pin; the host picks it,
+kdj/decode/picks.py), so the state keeps the whole menu's layout (the feature queue of
+plain runs, a tally row per entry) and a chunk of any entry can follow any other. Free and
+finished slots ride along: a step costs what a step of B rows costs. The state's step-indexed
 `Stats` are not read here: the pool's step count grows without bound, and their writes past
 `plan.max_steps` are dropped, so they stay one fixed buffer.
 """
@@ -37,8 +35,8 @@ import numpy as np
 from flax import nnx
 
 from kdj.cache import KVCache, init_cache
-from kdj.decode import auto, loop
 from kdj.decode import logprobs as lps
+from kdj.decode import loop
 from kdj.decode.sampling import position_keys, request_keys, sample
 from kdj.decode.state import DecodeState, Plan, Prefilled, init_state, is_stop
 from kdj.decode.step import features
@@ -209,14 +207,14 @@ def mark_done(done, rows):
 
 
 @functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "plan"), donate_argnames=("pool",))
-def prefill(tgraph, tstate, dgraph, dstate, pool: Pool, new: Admission, prior, *,
+def prefill(tgraph, tstate, dgraph, dstate, pool: Pool, new: Admission, *,
             plan: Plan) -> Pool:  # fmt: skip
     """One chunk of the newcomers' prompts written straight into their pool rows: the target
     pass over C tokens on top of what earlier chunks wrote (tapping the drafter's feature
     layers, whose context it adds), so the program depends on (pool width, A, C) and never on
     a prompt's length. Rows whose last prompt token is in this chunk join the running
     slots: their first token, lengths, budgets, stops, keys, temperatures; feature queues
-    emptied; auto's forecasts restarted from `prior` [len(plan.menu)]."""
+    emptied."""
     target = nnx.merge(tgraph, tstate)
     drafter = None if dgraph is None else nnx.merge(dgraph, dstate)
     state = pool.state
@@ -259,8 +257,4 @@ def prefill(tgraph, tstate, dgraph, dstate, pool: Pool, new: Admission, prior, *
             state, dcache=state.dcache.with_lengths(set_(state.dcache.lengths, new.lens)),
             pending=set_(state.pending, 0), n_pend=set_(state.n_pend, 0),
         )  # fmt: skip
-    if plan.adaptive:
-        joined = set_(jnp.zeros((B,), bool), True)
-        ctrl = auto.admit(state.auto, plan, prior, joined, state.tcache.lengths, state.active)
-        state = dataclasses.replace(state, auto=ctrl)
     return Pool(state, set_(pool.steps, 0))

@@ -39,6 +39,10 @@ class Plan:
     # None: no log-probabilities; k: each emitted token's and its k most likely alternatives'
     # (kdj/decode/logprobs.py), so a run without them compiles the program it always did
     logprobs: int | None = None
+    # the slot pool's auto: run menu[pin] alone, as its fixed method would (no forecasts, no
+    # controller), while the state keeps the whole menu's layout, so the host can pick another
+    # entry for the next chunk (kdj/decode/picks.py); None: the controller picks per step
+    pin: int | None = None
 
     @property
     def speculative(self) -> bool:
@@ -49,10 +53,20 @@ class Plan:
         return len(self.menu) > 1
 
     @property
+    def controlled(self) -> bool:
+        """Whether auto's on-device controller picks each step's entry (not pinned)."""
+        return self.adaptive and self.pin is None
+
+    @property
+    def shapes(self) -> tuple[DraftShape, ...]:
+        """What this program's drafted steps may verify: the menu, or its pinned entry."""
+        return self.menu if self.pin is None else (self.menu[self.pin],)
+
+    @property
     def forecasts(self) -> bool:
         """Whether drafted steps compute the drafter's forecast: auto prices with it; a
         fixed method only when asked (it costs a pass over the [B, L, V] draft)."""
-        return self.adaptive or self.forecast
+        return self.controlled or (self.forecast and self.pin is None)
 
     @property
     def can_skip(self) -> bool:

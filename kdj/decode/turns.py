@@ -68,6 +68,10 @@ class ChunkSteps:
         return {w: {s: 1e3 * c for s, c in sorted(costs.items())}
                 for w, costs in self.per_step.items() if costs}  # fmt: skip
 
+    def forget(self, width: int) -> None:
+        """Search `width`'s step count afresh from its bound (what a step costs changed)."""
+        self.run[width], self._calm[width], self.per_step[width] = self.bounds[width], 0, {}
+
     def observe(self, width: int, starved_s: float, ran_s: float, steps: int,
                 stats: TurnStats) -> None:  # fmt: skip
         """A chunk of `steps` steps ran `ran_s` seconds; before it started, the device waited

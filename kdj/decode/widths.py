@@ -94,8 +94,7 @@ def _move(src, fresh, rows, axis):
 def resize(pool: Pool, fresh: Pool, rows, prior, *, axes, src: Plan, dst: Plan) -> Pool:
     """The pool at fresh's width: its row j is pool's row rows[j] (-1: fresh's own, a free
     slot). axes: `batch_axes` of dst's pool. src, dst: the plans of the two widths (auto's
-    menu may differ: forecasts follow their entries, `auto.remenu`); auto's draft-or-skip state
-    is decided again for the new width, as at the start of a run."""
+    menu may differ: its controller's rows follow their entries, `auto.remenu`)."""
     state = pool.state
     if dst.adaptive and src.menu != dst.menu:
         state = dataclasses.replace(state, auto=auto.remenu(state.auto, src.menu, dst, prior))
@@ -103,9 +102,4 @@ def resize(pool: Pool, fresh: Pool, rows, prior, *, axes, src: Plan, dst: Plan) 
     new, fresh_tree = jax.tree.flatten(fresh)
     if tree != fresh_tree:
         raise ValueError("the two widths' pools differ in structure, not only in width")
-    moved = jax.tree.unflatten(tree, [_move(s, f, rows, a) for s, f, a in zip(leaves, new, axes)])
-    if not dst.can_skip:
-        return moved
-    state = moved.state
-    ctrl = auto.rewidth(state.auto, dst, state.tcache.lengths, state.active)
-    return moved._replace(state=dataclasses.replace(state, auto=ctrl))
+    return jax.tree.unflatten(tree, [_move(s, f, rows, a) for s, f, a in zip(leaves, new, axes)])

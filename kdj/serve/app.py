@@ -131,14 +131,14 @@ def build_app(worker: Worker, served: Served) -> FastAPI:
     @app.get("/stats")
     async def stats():
         """Cumulative counters of the host's time (a benchmark differences two reads), and
-        auto's pricing per width (why it drafts where it does)."""
+        per width auto's pricing and what its chunks measured (why it runs what it runs)."""
         engine = worker.engine
         lagged = {"samples": lag.samples, "total_s": lag.total_s, "max_s": lag.max_s}
         return {"method": engine.method, "engine": dataclasses.asdict(engine.stats),
                 "worker": dataclasses.asdict(worker.stats), "loop_lag": lagged,
                 "compiles": {"count": compiles.count, "seconds": compiles.seconds},
                 "chunk_steps": engine.chunk_steps.run, "step_ms": engine.chunk_steps.step_ms(),
-                "pricing": pricing}  # fmt: skip
+                "pricing": pricing, "measured": engine.measured()}  # fmt: skip
 
     @app.get("/v1/models")
     async def models():

@@ -221,9 +221,12 @@ def stats_delta(before: dict, after: dict, wall: float) -> dict:
         "chunks_per_width": {w: n for w, n in widths.items() if n},
         "choices": choices_delta(before["engine"].get("choices", {}),
                                  after["engine"].get("choices", {})),
-        # auto's predicted tok/s per entry at each width the level ran (why it chose so)
+        # auto at each width the level ran: the model's tok/s per entry, and what the chunks
+        # measured (tokens per live row per second) with the entry it runs (why it chose so)
         "pricing": {w: p for w, p in after.get("pricing", {}).items() if w in widths and
                     widths[w]},
+        "measured": {w: p for w, p in after.get("measured", {}).items() if w in widths and
+                     widths[w]},
         "loop_lag_mean_ms": 1e3 * d("loop_lag", "total_s") / lag_n if lag_n else float("nan"),
         "loop_lag_max_ms": 1e3 * after["loop_lag"]["max_s"],
         # XLA compiles while the level ran (a warm server should have none)

@@ -1,0 +1,136 @@
+"""method="auto" on the slot pool: which entry of the menu the next chunk at each width runs,
+chosen on the host from what the chunks measured (kdj/decode/engine.py drives it).
+
+A chunk pinned to one entry runs it as its fixed method would (Plan.pin: no forecasts, no
+on-device controller), so auto costs what the entry it runs costs. Each width keeps, per
+entry, a running mean of tokens committed per live row per second of the device's time:
+tau / seconds a step, which the live rows' count does not change. The width runs its best
+entry; every other entry is run again for one chunk once the width has spent `spacing`
+times that entry's chunk on others, the spacing doubling each time it loses (so re-checking
+an entry costs at most about 1 / spacing of the time) and starting where the cost model's
+prices put it. Before its first measurement an entry is ranked by those prices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+# Spacing of re-checks, in multiples of the entry's own chunk time: the first at most
+# SPACING_MIN after the width starts (sooner the better the model prices it), doubling to
+# SPACING_MAX while it keeps losing (a loser then costs < 1 / SPACING_MAX of the time).
+SPACING_MIN, SPACING_MAX = 4.0, 256.0
+# An entry the cost model prices below this share of the width's best is not compiled there:
+# the model has been off by ~1.4x, not by 2x; every entry compiled is a program per width.
+COMPILE_SHARE = 0.5
+# Running-mean weight of a chunk's rate: the running entry's, and a re-checked one's (whose
+# old rate may be long stale).
+EMA, RECHECK_EMA = 0.25, 0.5
+
+
+def worth_compiling(priced: list[float], plain: list[bool], known: bool) -> list[bool]:
+    """Which entries a width compiles: plain steps always (the pool's fallback), the others
+    when priced at COMPILE_SHARE of the best or more; all of them before the drafter's
+    acceptance is known (`known` False: nothing to price with)."""
+    top = max(priced)
+    return [p or not known or r >= COMPILE_SHARE * top for r, p in zip(priced, plain)]
+
+
+def spacing(priced: float, top: float) -> float:
+    """An entry's first spacing: SPACING_MIN for one priced as well as the best, wider as
+    its price falls below (top: the best price), within SPACING_MAX."""
+    if top <= 0 or priced <= 0:  # nothing to rank it by: it runs early to find out
+        return SPACING_MIN
+    return min(SPACING_MAX, SPACING_MIN * top / max(priced, top / SPACING_MAX))
+
+
+@dataclasses.dataclass
+class Entry:
+    prior: float  # the cost model's tokens per row-second, ranking it until measured (0: none)
+    rate: float | None = None  # measured tokens per row-second (running mean)
+    chunk_s: float = 0.0  # seconds of its last chunk
+    chunks: int = 0
+    spacing: float = SPACING_MIN
+    due_at: float | None = None  # the width's clock (device seconds) of its next run
+
+
+class Picks:
+    """Per width, per menu entry (by index): what the chunks measured, and the pick."""
+
+    def __init__(self, priors: dict[int, list[float]]):
+        """priors: per width, each menu entry's tokens per row-second by the cost model."""
+        self.entries: dict[int, list[Entry]] = {}
+        self.clock: dict[int, float] = dict.fromkeys(priors, 0.0)  # device seconds run
+        for w, rates in priors.items():
+            top = max(rates)
+            self.entries[w] = [Entry(r, spacing=spacing(r, top)) for r in rates]
+
+    def best(self, width: int) -> int:
+        """The entry the width runs between re-checks: the best measured, else the best
+        priced (measured entries count only against measured ones)."""
+        es = self.entries[width]
+        measured = [i for i, e in enumerate(es) if e.rate is not None]
+        if measured:
+            return max(measured, key=lambda i: es[i].rate)
+        return max(range(len(es)), key=lambda i: es[i].prior)
+
+    def next(self, width: int) -> tuple[int, bool]:
+        """(entry, re-check) for the next chunk at `width`: an entry without a price (the
+        drafter's acceptance is unknown) until it is measured, else one never run whose turn
+        has come, else the most overdue re-check, else the best."""
+        es, now, best = self.entries[width], self.clock[width], self.best(width)
+        unknown = [i for i, e in enumerate(es) if e.prior <= 0 and e.rate is None]
+        if unknown:
+            return unknown[0], True
+        due = [i for i, e in enumerate(es)
+               if i != best and e.due_at is not None and now >= e.due_at]  # fmt: skip
+        if not due:
+            return best, False
+        pick = min(due, key=lambda i: (es[i].rate is not None, es[i].due_at))
+        es[pick].due_at = math.inf  # once: its report comes a chunk later and sets the next
+        return pick, True
+
+    def observe(self, width: int, entry: int, tokens: int, row_steps: int, steps: int,
+                seconds: float, recheck: bool) -> None:  # fmt: skip
+        """A chunk at `width` ran `entry` for `steps` steps in `seconds`, its live rows
+        committing `tokens` over `row_steps` row-steps (a row's step counts while it ran)."""
+        es = self.entries[width]
+        self.clock[width] += seconds
+        for e in es:  # the first chunk times the width: the others' first runs are set by it
+            if e.due_at is None:
+                e.due_at = self.clock[width] + e.spacing * seconds
+        e = es[entry]
+        if steps < 1 or row_steps < 1 or seconds <= 0:  # nothing measured: due again
+            if recheck and e.due_at == math.inf:
+                e.due_at = self.clock[width]
+            return
+        rate = tokens / row_steps * steps / seconds  # tau / seconds a step
+        w = RECHECK_EMA if recheck else EMA
+        e.rate = rate if e.rate is None else (1 - w) * e.rate + w * rate
+        e.chunk_s, e.chunks = seconds, e.chunks + 1
+        if not recheck:
+            return
+        if self.best(width) == entry:  # it won: it runs now, and is re-checked soon if not
+            e.spacing = SPACING_MIN
+        else:
+            e.spacing = min(SPACING_MAX, 2 * e.spacing)
+            e.due_at = self.clock[width] + e.spacing * seconds
+
+    def requeue(self) -> None:
+        """Chunks in flight were dropped (a failed program): their re-checks are due again."""
+        for w, es in self.entries.items():
+            for e in es:
+                if e.due_at == math.inf:
+                    e.due_at = self.clock[w]
+
+    def report(self, names: dict[int, tuple[str, ...]]) -> dict[int, dict]:
+        """Per width that ran (names: its entries' names): the entry it runs and, per entry,
+        its measured tokens per row-second, the model's, and the chunks it ran."""
+        out = {}
+        for w, es in self.entries.items():
+            if not any(e.chunks for e in es):
+                continue
+            out[w] = {"runs": names[w][self.best(w)],
+                      "entries": {n: {"measured": e.rate, "priced": e.prior, "chunks": e.chunks}
+                                  for n, e in zip(names[w], es)}}  # fmt: skip
+        return out
