@@ -284,7 +284,9 @@ def test_flags_are_checked_before_any_model_loads(no_loading, argv, msg):
      ("decode:\n  block_size: 4\n", "decode.block_size applies to .*'auto' without a drafter"),
      ("decode:\n  cost: bogus\n", "decode.cost 'bogus' is not a file.*tune.*estimate"),
      ("decode:\n  method: dflash\n  cost: estimate\n", "decode.cost applies to method auto, not"),
-     ("dtype: float64\n", "dtype 'float64' is not supported"),
+     ("dtype: float64\n", "dtype 'float64' is not supported: use auto .*, float32, bfloat16"),
+     ("decode:\n  block_sise: 8\n",
+      r"unknown decode keys \['block_sise'\]; expected \[.*'block_size'.*'tree_budget'\]"),
      ("target: 3\n", "target must be a name or path"),
      ("decode:\n  method: ar\n   max_new_tokens: 3\n", r"line 3, column 18: not valid YAML"),
      ("decode: [1\n", r"line 2, column 1: not valid YAML")],
@@ -435,7 +437,8 @@ def test_missing_extras_name_the_install(monkeypatch, no_loading):
         if parent in loaded:
             monkeypatch.delattr(loaded[parent], child, raising=False)
     monkeypatch.setitem(sys.modules, "optax", None)  # as if kdj[train] were not installed
-    with pytest.raises(SystemExit, match=r"\[train\] extras \(optax is not installed\): "
+    with pytest.raises(SystemExit, match=r"^kdj train-drafter: this command needs kdj's "
+                                         r"\[train\] extras \(optax is not installed\): "
                                          r"pip install -e '\.\[train\]'"):  # fmt: skip
         main(["train-drafter", "--config", "configs/train/smollm2-b16.yaml"])
     monkeypatch.setitem(sys.modules, "uvicorn", None)
@@ -453,6 +456,12 @@ def test_acceptance_summary_lists_ddtree():
     table = compare_table({"one": report})
     assert "| DDTree 4 | DDTree 16 |" in table
     assert "| sharegpt | 0 | one | 2.000 (1.10x) | 2.500 (1.30x) | - |" in table
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.startswith("kdj ")
 
 
 def test_python_m_kdj_cli_runs_the_command():

@@ -25,10 +25,21 @@ class Parser(argparse.ArgumentParser):
 
 def parser() -> argparse.ArgumentParser:
     p = Parser(prog="kdj", description=DESCRIPTION)
+    p.add_argument("--version", action="version", version=f"kdj {version()}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     for module in (generate, convert, serve, train):
         module.add_parsers(sub)
     return p
+
+
+def version() -> str:
+    """The installed kdj's version (its package metadata), or "unknown" when not installed."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("kdj")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 # Bad input the commands report in one line (the message names the problem and the fix).
@@ -37,9 +48,10 @@ USER_ERRORS = (ValueError, TypeError, OSError, NotImplementedError)
 
 def as_flags(message: str, flags: dict[str, str]) -> str:
     """A Python API message in the command's words: each API name (a parameter, a call) that
-    stands for one of its flags becomes the flag (`flags`: name -> flag)."""
+    stands for one of its flags becomes the flag (`flags`: name -> flag). A quoted name is a
+    key of a file or a request, named as written there, and stays."""
     for name, flag in flags.items():
-        message = re.sub(rf"(?<![\w.-]){re.escape(name)}(?![\w])", flag, message)
+        message = re.sub(rf"(?<![\w.'\"-]){re.escape(name)}(?![\w'\"])", flag, message)
     return message
 
 
@@ -55,3 +67,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"kdj {args.cmd}: {as_flags(str(e), getattr(args, 'flags', {}))}") from e
     except KeyboardInterrupt:
         raise SystemExit(f"kdj {args.cmd}: interrupted") from None  # Ctrl-C: no traceback
+    except SystemExit as e:  # a one-line exit of the command's own says whose it is too
+        said = e.code
+        if isinstance(said, str) and not said.startswith("kdj "):
+            raise SystemExit(f"kdj {args.cmd}: {said}") from None
+        raise

@@ -101,7 +101,8 @@ def print_stats(s: dict) -> None:
               f"{num(s['mean_tree_size'], 1)}, mean accepted depth "
               f"{num(s['mean_accepted_depth'], 2)}")  # fmt: skip
     print(
-        f"--- {s['method']}: {s['new_tokens']} tokens in {s['steps']} steps, "
+        f"--- {s['method']}: {s['new_tokens']} tokens in {s['steps']} "
+        f"{'step' if s['steps'] == 1 else 'steps'} of the batch, "
         f"mean acceptance {num(s['mean_acceptance'], 2)}, {num(s['tokens_per_s'], 1)} tok/s "
         f"decode (prefill {s['prefill_s'] * 1e3:.1f} ms, decode {s['decode_s'] * 1e3:.1f} ms, "
         f"compile {s['compile_s']:.1f} s)"

@@ -100,7 +100,12 @@ def check_values(cfg: dict, given: dict, path) -> None:
     if "drafter" in given:
         text("drafter", cfg["drafter"], none=True)
     if "dtype" in given and cfg["dtype"] != "auto":
-        check("dtype", lambda: arguments.dtype(cfg["dtype"]))
+        try:
+            arguments.dtype(cfg["dtype"])
+        except ValueError:
+            raise ValueError(f"{path}: dtype {cfg['dtype']!r} is not supported: use auto "
+                             f"(float32 on a CPU, bfloat16 on an accelerator), "
+                             f"{', '.join(arguments.DTYPES)}") from None  # fmt: skip
     if dec["method"] not in arguments.METHODS:
         raise ValueError(f"{path}: decode.method {dec['method']!r} is not one of "
                          f"{', '.join(arguments.METHODS)}")  # fmt: skip

@@ -282,6 +282,7 @@ class Reply:
         self.usage_stream = parsed.usage_stream
         self.logprobs = parsed.requests[0].logprobs is not None
         self.shown = [0] * len(parsed.requests)  # each choice's scored tokens streamed so far
+        self.roled: set[int] = set()  # the choices whose stream has said its role (the first)
 
     def feed(self, i: int, update: Update) -> str:
         """The text delta of an engine update to choice i."""
@@ -318,8 +319,13 @@ class Reply:
         logprobs = self._logprobs(scored)
         if not self.chat:
             return {"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs}
-        key = "delta" if delta else "message"
-        return {"index": i, key: {"role": "assistant", "content": text}, "finish_reason": finish,
+        if not delta:
+            message = {"role": "assistant", "content": text}
+            return {"index": i, "message": message, "finish_reason": finish, "logprobs": logprobs}
+        # as OpenAI streams: the role in a choice's first delta only
+        said = {} if i in self.roled else {"role": "assistant"}
+        self.roled.add(i)
+        return {"index": i, "delta": {**said, "content": text}, "finish_reason": finish,
                 "logprobs": logprobs}  # fmt: skip
 
     def whole(self, texts: list[str]) -> dict:
