@@ -778,6 +778,8 @@ def test_n_and_max_completion_tokens(server):
     assert new.json()["choices"][0]["finish_reason"] == "length"
     refused(both, "max_completion_tokens", "'max_completion_tokens' (2) and 'max_tokens' (12)")
     refused(legacy, "max_completion_tokens", "unrecognized field")
+    huge = httpx.post(server + CHATS, json={**chat, "max_tokens": 10**6}, timeout=60)
+    refused(huge, "max_tokens", "'max_tokens' must be in [1, ")
 
 
 def test_fields_kdj_does_not_honour_are_refused(server):

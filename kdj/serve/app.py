@@ -414,5 +414,6 @@ def make_app(target, name: str, *, drafter=None, method: str = "ar", block_size=
 
             engine.warm(warm, progress=tick)
     max_n = min(MAX_N, max_batch + max_queue)  # more choices than that never run at once
-    served = Served(name, tok, stop_ids, cap, temperature, top_p, engine.method, max_n)
+    served = Served(name, tok, stop_ids, cap, temperature, top_p, engine.method, max_n,
+                    context - 1)  # fmt: skip
     return build_app(Worker(engine, max_queue), served)

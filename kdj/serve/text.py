@@ -54,6 +54,7 @@ class Served:
     top_p: float
     method: str = "ar"  # what the engine runs: ar, dflash, ddtree or auto (usage reports it)
     max_n: int = MAX_N  # the most choices one request may ask for
+    most_tokens: int | None = None  # the most tokens a request may ask for (the context's)
 
 
 class Parsed(NamedTuple):
@@ -168,7 +169,7 @@ def _max_tokens(body: dict, served: Served) -> int:
                       "send one ('max_tokens' is its older name)",
                       "max_completion_tokens")  # fmt: skip
     name = "max_completion_tokens" if new is not None else "max_tokens"
-    return _integer(body, name, served.max_tokens, 1)
+    return _integer(body, name, served.max_tokens, 1, served.most_tokens)
 
 
 def _seeds(seed: int | None, n: int) -> list[int | None]:
