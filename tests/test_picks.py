@@ -68,13 +68,18 @@ def test_widths_are_measured_apart():
 
 
 def test_entries_without_a_price_are_measured_first():
-    """The drafter's acceptance unknown (drafting entries priced 0): they run before the
-    priced one is trusted; priced entries start re-checks sooner the better they are priced."""
+    """The drafter's acceptance unknown (drafting entries priced 0): they run first, each
+    for two chunks (an entry's first chunk is not timed: it may have compiled), then the
+    priced one; priced entries start sooner the better they are priced."""
     picks = Picks({4: [1.0, 0.0, 0.0]})
-    first = [picks.next(4)]
-    picks.observe(4, first[0][0], 16, 16, 1, 1.0, first[0][1])
-    first.append(picks.next(4))
-    assert [i for i, _ in first] == [1, 2] and all(r for _, r in first)
+    ran = []
+    for _ in range(6):
+        i, recheck = picks.next(4)
+        ran.append((i, recheck))
+        picks.observe(4, i, 16, 16, 1, 1.0, recheck)
+    assert ran[:4] == [(1, True), (1, True), (2, True), (2, True)]
+    assert all(e.rate is not None for e in picks.entries[4][1:])
+    assert picks.entries[4][0].runs >= 1  # then the plain entry, which had a price
     assert spacing(1.0, 1.0) == SPACING_MIN and spacing(0.5, 1.0) == 2 * SPACING_MIN
     assert spacing(1e-9, 1.0) == SPACING_MAX
 

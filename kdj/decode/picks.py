@@ -5,10 +5,12 @@ A chunk pinned to one entry runs it as its fixed method would (Plan.pin: no fore
 on-device controller), so auto costs what the entry it runs costs. Each width keeps, per
 entry, a running mean of tokens committed per live row per second of the device's time:
 tau / seconds a step, which the live rows' count does not change. The width runs its best
-entry; every other entry is run again for one chunk once the width has spent `spacing`
-times that entry's chunk on others, the spacing doubling each time it loses (so re-checking
-an entry costs at most about 1 / spacing of the time) and starting where the cost model's
-prices put it. Before its first measurement an entry is ranked by those prices.
+entry. An entry not measured yet first runs once the width has run `spacing` chunks (the
+cost model's price sets it: the better priced, the sooner; an entry without a price runs at
+once), for two chunks, since its first may have compiled. A measured entry that is not the
+best runs again for one chunk once the width has spent `spacing` times that entry's chunk
+on others, the spacing doubling each time it loses, so re-checking costs at most about
+1 / spacing of the time and a change of load or prompts is still seen.
 """
 
 from __future__ import annotations
@@ -47,11 +49,13 @@ def spacing(priced: float, top: float) -> float:
 @dataclasses.dataclass
 class Entry:
     prior: float  # the cost model's tokens per row-second, ranking it until measured (0: none)
+    spacing: float  # re-check spacing, in multiples of its own chunk's time
+    due_chunk: float  # before it is measured: the width's chunk count at which it first runs
     rate: float | None = None  # measured tokens per row-second (running mean)
-    chunk_s: float = 0.0  # seconds of its last chunk
-    chunks: int = 0
-    spacing: float = SPACING_MIN
-    due_at: float | None = None  # the width's clock (device seconds) of its next run
+    due_at: float = math.inf  # once measured: the width's clock (device seconds) of its re-check
+    runs: int = 0  # chunks that ran it (the first is not timed: it may have compiled)
+    chunks: int = 0  # chunks timed
+    pending: bool = False  # a re-check dispatched, its report not read yet
 
 
 class Picks:
@@ -61,9 +65,10 @@ class Picks:
         """priors: per width, each menu entry's tokens per row-second by the cost model."""
         self.entries: dict[int, list[Entry]] = {}
         self.clock: dict[int, float] = dict.fromkeys(priors, 0.0)  # device seconds run
+        self.count: dict[int, int] = dict.fromkeys(priors, 0)  # chunks run
         for w, rates in priors.items():
             top = max(rates)
-            self.entries[w] = [Entry(r, spacing=spacing(r, top)) for r in rates]
+            self.entries[w] = [Entry(r, spacing(r, top), spacing(r, top)) for r in rates]
 
     def best(self, width: int) -> int:
         """The entry the width runs between re-checks: the best measured, else the best
@@ -76,61 +81,71 @@ class Picks:
 
     def next(self, width: int) -> tuple[int, bool]:
         """(entry, re-check) for the next chunk at `width`: an entry without a price (the
-        drafter's acceptance is unknown) until it is measured, else one never run whose turn
-        has come, else the most overdue re-check, else the best."""
-        es, now, best = self.entries[width], self.clock[width], self.best(width)
+        drafter's acceptance is unknown) until it is measured; else one not measured yet
+        once the width has run `spacing` chunks (its price ranks it: the better, the
+        sooner); else the most overdue re-check; else the best."""
+        es, now, n, best = (
+            self.entries[width],
+            self.clock[width],
+            self.count[width],
+            self.best(width),
+        )
         unknown = [i for i, e in enumerate(es) if e.prior <= 0 and e.rate is None]
         if unknown:
             return unknown[0], True
-        due = [i for i, e in enumerate(es)
-               if i != best and e.due_at is not None and now >= e.due_at]  # fmt: skip
-        if not due:
+
+        def due(e: Entry) -> bool:
+            return n >= e.due_chunk if e.rate is None else now >= e.due_at
+
+        waiting = [i for i, e in enumerate(es) if i != best and not e.pending and due(es[i])]
+        if not waiting:
             return best, False
-        pick = min(due, key=lambda i: (es[i].rate is not None, es[i].due_at))
-        es[pick].due_at = math.inf  # once: its report comes a chunk later and sets the next
+        pick = min(waiting, key=lambda i: (es[i].rate is not None, es[i].due_at, es[i].due_chunk))
+        es[pick].pending = True  # once: its report comes a chunk later and says what next
         return pick, True
 
     def observe(self, width: int, entry: int, tokens: int, row_steps: int, steps: int,
                 seconds: float, recheck: bool) -> None:  # fmt: skip
         """A chunk at `width` ran `entry` for `steps` steps in `seconds`, its live rows
-        committing `tokens` over `row_steps` row-steps (a row's step counts while it ran)."""
-        es = self.entries[width]
+        committing `tokens` over `row_steps` row-steps (a row's step counts while it ran).
+        An entry's first chunk at a width is not timed (it may have compiled)."""
         self.clock[width] += seconds
-        for e in es:  # the first chunk times the width: the others' first runs are set by it
-            if e.due_at is None:
-                e.due_at = self.clock[width] + e.spacing * seconds
-        e = es[entry]
-        if steps < 1 or row_steps < 1 or seconds <= 0:  # nothing measured: due again
-            if recheck and e.due_at == math.inf:
+        self.count[width] += 1
+        e = self.entries[width][entry]
+        e.pending, e.runs = False, e.runs + 1
+        if e.runs == 1 or steps < 1 or row_steps < 1 or seconds <= 0:  # nothing to time
+            if e.rate is None:
+                e.due_chunk = self.count[width]  # timed on its next chunk
+            elif recheck:
                 e.due_at = self.clock[width]
             return
         rate = tokens / row_steps * steps / seconds  # tau / seconds a step
         w = RECHECK_EMA if recheck else EMA
-        e.rate = rate if e.rate is None else (1 - w) * e.rate + w * rate
-        e.chunk_s, e.chunks = seconds, e.chunks + 1
-        if not recheck:
+        first = e.rate is None
+        e.rate = rate if first else (1 - w) * e.rate + w * rate
+        e.chunks += 1
+        if not (recheck or first):
             return
         if self.best(width) == entry:  # it won: it runs now, and is re-checked soon if not
             e.spacing = SPACING_MIN
         else:
             e.spacing = min(SPACING_MAX, 2 * e.spacing)
-            e.due_at = self.clock[width] + e.spacing * seconds
+        e.due_at = self.clock[width] + e.spacing * seconds
 
     def requeue(self) -> None:
         """Chunks in flight were dropped (a failed program): their re-checks are due again."""
-        for w, es in self.entries.items():
+        for es in self.entries.values():
             for e in es:
-                if e.due_at == math.inf:
-                    e.due_at = self.clock[w]
+                e.pending = False
 
     def report(self, names: dict[int, tuple[str, ...]]) -> dict[int, dict]:
         """Per width that ran (names: its entries' names): the entry it runs and, per entry,
         its measured tokens per row-second, the model's, and the chunks it ran."""
         out = {}
         for w, es in self.entries.items():
-            if not any(e.chunks for e in es):
+            if not any(e.runs for e in es):
                 continue
             out[w] = {"runs": names[w][self.best(w)],
-                      "entries": {n: {"measured": e.rate, "priced": e.prior, "chunks": e.chunks}
+                      "entries": {n: {"measured": e.rate, "priced": e.prior, "chunks": e.runs}
                                   for n, e in zip(names[w], es)}}  # fmt: skip
         return out
