@@ -27,7 +27,8 @@ class Executables:
     report compile time apart from prefill and decode time. Threads may compile at once (a
     server warming its pool): the table is locked, the compiles are not."""
 
-    def __init__(self, capacity: int = 128):  # a serving pool: widths x admission buckets
+    # a serving pool: widths x (admission buckets + auto's menu entries) x modes, and resizes
+    def __init__(self, capacity: int = 512):
         self.capacity = capacity
         self._programs: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()

@@ -86,10 +86,11 @@ def test_entries_without_a_price_are_measured_first():
 
 def test_what_a_width_compiles():
     """Plain steps always; the rest when priced at half the best or more; all when the
-    drafter's acceptance is unknown."""
+    drafter's acceptance is unknown, or the menu has no plain steps."""
     assert worth_compiling([1.0, 1.4, 0.6], [True, False, False], True) == [True, True, False]
     assert worth_compiling([3.0, 1.0], [True, False], True) == [True, False]
     assert worth_compiling([3.0, 0.0], [True, False], False) == [True, True]
+    assert worth_compiling([3.0, 1.0], [False, False], True) == [True, True]  # no plain steps
 
 
 def test_the_pools_auto_runs_pinned_chunks_and_says_what_it_measured(vocab12_pair):

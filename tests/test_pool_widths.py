@@ -267,6 +267,12 @@ def test_auto_compiles_at_each_width_what_may_pay(vocab12_pair):
     engine = Engine(target, 8, 64, 23, widths=LADDER, **drafting)
     assert engine.plans[8].menu == (DraftShape("none"), DraftShape("chain", 5))
     assert engine.plans[1].menu == menus[1] and engine.method == "auto"
+    # a menu without plain steps is compiled whole at every width: its widths' pools keep
+    # one layout (a one-entry width would carry no controller, and no resize could move it)
+    bare = kdj.api.check_options(target, drafter, "auto", None, None, menu[1:], None, 0.0,
+                                 1.0, None)  # fmt: skip
+    kept = kdj.api.pool_drafting(bare, target, drafter, 8, 64, 10.0, cost, widths=LADDER)
+    assert all(m == bare.shapes for m in kept["menu"].values())
 
 
 # ------------------------------------------------------------------ waking late

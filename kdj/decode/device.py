@@ -79,7 +79,10 @@ class Ran(NamedTuple):
 
 
 def run_chunk(pool_: pool.Pool, fn, ts, ds, bound, wake, queue: DeviceQueue) -> Ran:
-    """One chunk, its report's copies to the host started at once."""
+    """One chunk, its report's copies to the host started at once. Timed from the end of
+    the work queued before it (a prefill, a resize), which it would otherwise wait for on
+    the device inside its own time."""
+    jax.block_until_ready(pool_)
     t0 = time.perf_counter()
     pool_, report = fn(ts, ds, pool_, bound, wake)
     for x in jax.tree.leaves(report):  # the host reads them a chunk later

@@ -606,7 +606,8 @@ class Engine:
             self.chunk_steps.observe(flight.width, ran.idle_s - self._idle_at, ran.seconds,
                                      int(report.ran), self.stats)  # fmt: skip
         self._idle_at = ran.idle_s
-        updates, finished, row_steps = [], set(), 0
+        updates, finished = [], set()
+        committed = row_steps = 0  # by the rows read here (auto's picks measure these)
         for b, r in enumerate(flight.rows):
             if r is None or r.id not in self.sent:  # free, or cancelled since
                 continue
@@ -619,6 +620,7 @@ class Engine:
             if r.logprobs is not None:
                 record = lps.rows(logprobs, b, sent, end, r.logprobs)
             self.stats.tokens += len(new)
+            committed += len(new)
             row_steps += int(steps[b]) - self.steps[r.id]
             self.sent[r.id], self.steps[r.id] = int(n[b]), int(steps[b])
             if new or done[b]:
@@ -629,18 +631,18 @@ class Engine:
         if finished:  # their rows, wherever a resize has moved them since
             self.slots = [None if r is not None and r.id in finished else r for r in self.slots]
         if flight.pin is not None:
-            self._measure(flight, tally, row_steps, int(report.ran), ran.seconds)
+            self._measure(flight, committed, row_steps, int(report.ran), ran.seconds)
         return updates
 
-    def _measure(self, flight: InFlight, tally, row_steps: int, steps: int, seconds: float):
-        """Feed auto's picks a chunk pinned to one entry: its committed tokens (a plain
-        step's tally row is the last), live row-steps, steps and seconds. A width whose best
-        entry changed searches its chunk length afresh: the steps cost what the new one costs."""
-        menu = self.plans[flight.width].menu
-        row = len(menu) if menu[flight.pin].kind == "none" else flight.pin
+    def _measure(self, flight: InFlight, committed: int, row_steps: int, steps: int,
+                 seconds: float) -> None:  # fmt: skip
+        """Feed auto's picks a chunk pinned to one entry: the tokens its steps committed and
+        the row-steps they took, over the rows still held (a cancelled row counts in
+        neither), its steps and seconds. A width whose best entry changed searches its chunk
+        length afresh: the steps cost what the new one costs."""
         before = self.picks.best(flight.width)
-        self.picks.observe(flight.width, flight.pin, int(tally[row, 1]), row_steps, steps,
-                           seconds, flight.recheck)  # fmt: skip
+        self.picks.observe(flight.width, flight.pin, committed, row_steps, steps, seconds,
+                           flight.recheck)  # fmt: skip
         if self.picks.best(flight.width) != before:
             self.chunk_steps.forget(flight.width)
 

@@ -33,8 +33,11 @@ EMA, RECHECK_EMA = 0.25, 0.5
 def worth_compiling(priced: list[float], plain: list[bool], known: bool) -> list[bool]:
     """Which entries a width compiles: plain steps always (the pool's fallback), the others
     when priced at COMPILE_SHARE of the best or more; all of them before the drafter's
-    acceptance is known (`known` False: nothing to price with)."""
+    acceptance is known (`known` False: nothing to price with), and all of a menu without
+    plain steps (every width's pool must then keep the same layout of drafting entries)."""
     top = max(priced)
+    if not any(plain):
+        return [True] * len(priced)
     return [p or not known or r >= COMPILE_SHARE * top for r, p in zip(priced, plain)]
 
 
