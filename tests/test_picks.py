@@ -118,5 +118,7 @@ def test_the_pools_auto_runs_pinned_chunks_and_says_what_it_measured(vocab12_pai
     assert set(entries) == {"none", "chain5", "tree12"}
     assert all(e["chunks"] >= 1 and e["measured"] > 0 for e in entries.values())
     assert report["runs"] == max(entries, key=lambda n: entries[n]["measured"])
+    pricing = engine.pricing()[2]  # a full pool's tok/s; the report's, a row's
+    assert all(entries[n]["priced"] == pytest.approx(pricing[n] / 2) for n in entries)
     choices = engine.stats.choices[2]
     assert choices["plain"][0] > 0 and choices["chain5"][0] > 0 and choices["tree12"][0] > 0

@@ -151,8 +151,8 @@ class Engine:
         if drafter is not None:
             self._drafting_plans(drafter, block_size, menu, cost)
         # auto's entry per chunk, per width, from what the chunks measured (kdj/decode/picks.py)
-        priced = self.pricing()
-        self.picks = Picks({w: list(p.values()) for w, p in priced.items()})
+        priced = self.pricing()  # a full pool's tok/s: a row's is the width's share
+        self.picks = Picks({w: [r / w for r in p.values()] for w, p in priced.items()})
         self.greedy, self.wake, self.lookahead = True, wake, lookahead
         self.logprobs = False  # whether the pool records log-probabilities (its mode's)
         self.wake_share = wake_share
