@@ -175,16 +175,21 @@ def pinned(target, drafter, plan: Plan, going):
     drafter's context complete."""
     if plan.menu[plan.pin].kind != "none":
         return lambda s: drafted_step(target, drafter, s, plan, plan.pin)
+    return lambda s: plain_run(target, drafter, s, plan, going, lambda ctrl, room: room)
 
-    def plain_run(s):
-        room = s.pending.shape[1] - jnp.max(s.n_pend)
-        s = dataclasses.replace(s, auto=dataclasses.replace(s.auto, left=room))
-        s = jax.lax.while_loop(lambda t: going(t) & (t.auto.left > 0),
-                               lambda t: skip_step(target, drafter, t, plan), s)  # fmt: skip
-        with scope("flush"):
-            return flush(drafter, s)
 
-    return plain_run
+def plain_run(target, drafter, state: DecodeState, plan: Plan, going, steps) -> DecodeState:
+    """Plain steps that queue the drafter's features, as many as steps(controller, room in
+    the queue) says and while `going`, then the queue flushed into the drafter's context."""
+    room = state.pending.shape[1] - jnp.max(state.n_pend)
+    ctrl = dataclasses.replace(state.auto, left=jnp.asarray(steps(state.auto, room), jnp.int32))
+    state = jax.lax.while_loop(
+        lambda s: going(s) & (s.auto.left > 0),
+        lambda s: skip_step(target, drafter, s, plan),
+        dataclasses.replace(state, auto=ctrl),
+    )
+    with scope("flush"):
+        return flush(drafter, state)
 
 
 def auto_runs(target, drafter, state: DecodeState, plan: Plan, going) -> DecodeState:
@@ -193,15 +198,8 @@ def auto_runs(target, drafter, state: DecodeState, plan: Plan, going) -> DecodeS
     loops, not branches: loop-carried caches update in place, while a lax.cond around the
     target pass makes XLA copy them. A run cut short by `going` resumes at the next body:
     `since` counts its plain steps."""
-    room = state.pending.shape[1] - jnp.max(state.n_pend)
-    state = dataclasses.replace(state, auto=auto.plain_run(state.auto, room))
-    state = jax.lax.while_loop(
-        lambda s: going(s) & (s.auto.left > 0),
-        lambda s: skip_step(target, drafter, s, plan),
-        state,
-    )
-    with scope("flush"):
-        state = flush(drafter, state)
+    state = plain_run(target, drafter, state, plan, going,
+                      lambda ctrl, room: auto.plain_run(ctrl, room).left)  # fmt: skip
     return drafted_runs(target, drafter, state, plan, going)
 
 
