@@ -640,3 +640,26 @@ def test_serve_sweep_config_flags():
     assert (
         flagged == plain + ["--chunk-steps", "4"] and plain[plain.index("--config") + 1] == "a.yaml"
     )
+
+
+@pytest.mark.parametrize("family", ["moe", "llama"])
+def test_a_random_model_keeps_each_layers_update_on_the_embeddings_scale(tiny, family):
+    """A random init draws every weight at 1 / sqrt(its fan-in), whatever its layout ([D, 2,
+    F] gate_up, [E, D, 2, I] experts, [D, KVH, G, hd] qkv): no layer's update to the residual
+    stream outgrows the embedding, which a benchmark's random target relies on (a steady
+    greedy answer; activations nowhere near bf16's range)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from kdj.models.transformer import build_model, full_hidden
+
+    harness = load_bench("harness")
+    model = build_model(harness.model_config(str(tiny[family])), jnp.float32, seed=0)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 12)), jnp.int32)
+    graphdef, state = nnx.split(model)
+    _, tapped = full_hidden(graphdef, state, tokens, taps=(0, 1))
+    x = model.embed[...][tokens]
+    rms = lambda a: float(jnp.sqrt(jnp.mean(a**2)))  # noqa: E731
+    for i in range(2):
+        update = tapped[:, :, i] - (x if i == 0 else tapped[:, :, i - 1])
+        assert 0.05 < rms(update) / rms(x) < 3.0, (family, i, rms(update), rms(x))

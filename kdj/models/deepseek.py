@@ -304,8 +304,9 @@ class MoE(nnx.Module):
         D, E, I = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
         self.router = param(rngs, (D, E), ("embed", None), jnp.float32)
         self.bias = zeros((E,), (None,), jnp.float32) if cfg.topk_method == "noaux_tc" else None
-        self.w_gate_up = param(rngs, (E, D, 2, I), ("experts", "embed", None, "moe_mlp"), dtype)
-        self.w_down = param(rngs, (E, I, D), ("experts", "moe_mlp", "embed"), dtype)
+        self.w_gate_up = param(rngs, (E, D, 2, I), ("experts", "embed", None, "moe_mlp"), dtype,
+                               D**-0.5)  # fmt: skip
+        self.w_down = param(rngs, (E, I, D), ("experts", "moe_mlp", "embed"), dtype, I**-0.5)
         # data slots (not static None): MoE.quantize puts the scales here
         self.gate_up_scale = self.down_scale = nnx.data(None)
         self.expert_format = "float"

@@ -22,9 +22,13 @@ NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax rather 
 
 
 def param(rngs: nnx.Rngs, shape, axes, dtype, scale: float | None = None) -> nnx.Param:
-    """A normal(0, scale) parameter tagged with logical axis names (one per dim)."""
+    """A normal(0, scale) parameter tagged with logical axis names (one per dim). The default
+    scale, 1 / sqrt(fan-in), is a [in, out] matrix's; a weight of more dims names its own
+    (which of its dims are the fan-in is not in its shape)."""
     assert len(shape) == len(axes), (shape, axes)
-    scale = 1.0 / math.sqrt(shape[-2] if len(shape) >= 2 else 1) if scale is None else scale
+    if scale is None:
+        assert len(shape) == 2, f"a {len(shape)}-dim weight needs its scale: {shape}"
+        scale = 1.0 / math.sqrt(shape[0])
     value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
     return nnx.Param(value.astype(dtype), axes=tuple(axes))
 
@@ -161,7 +165,7 @@ class MLP(nnx.Module):
     """
 
     def __init__(self, dim, hidden, *, dtype, rngs, kernels: KernelPolicy):
-        self.gate_up = param(rngs, (dim, 2, hidden), ("embed", None, "mlp"), dtype)
+        self.gate_up = param(rngs, (dim, 2, hidden), ("embed", None, "mlp"), dtype, dim**-0.5)
         self.down = Linear(hidden, dim, ("mlp", "embed"), dtype=dtype, rngs=rngs, kernels=kernels)
         self.kernels = kernels
 

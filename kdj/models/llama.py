@@ -31,7 +31,7 @@ class GQAAttention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs):
         D, H, KVH, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         axes = ("embed", "kv_heads", None, "head_dim")
-        self.qkv = param(rngs, (D, KVH, H // KVH + 2, hd), axes, dtype)
+        self.qkv = param(rngs, (D, KVH, H // KVH + 2, hd), axes, dtype, D**-0.5)
         self.qkv_bias = zeros((KVH, H // KVH + 2, hd), axes[1:], dtype) if cfg.qkv_bias else None
         self.o = Linear(H * hd, D, ("q_heads", "embed"), bias=cfg.o_bias, dtype=dtype, rngs=rngs,
                         kernels=cfg.kernels)  # fmt: skip
