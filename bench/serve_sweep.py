@@ -10,12 +10,13 @@ For each --configs YAML a real server process is started (`python -m kdj.cli ser
 --max-batch slots, by default the largest concurrency, compiling every greedy program of its
 pool before it answers /health: `--warm greedy`, timed as start_s), the sweep of
 kdj/serve/bench.py runs against it over HTTP once per --workloads entry (N: every request
-asks N tokens; LO-HI: drawn uniformly; no warm-up pass: nothing is left to compile), and the
-server is stopped with SIGTERM. The prompts are the held-out ShareGPT turns whose chat
-prompt fits a slot with the longest workload's tokens to spare (a longer one would be refused
-with a 400 and counted as an error, not measured). Reported per config, workload and
-concurrency: aggregate and per-user tokens/s, TTFT, ITL and TPOT (p50 / p99), errors, and
-where the server's host time went.
+asks N tokens; LO-HI: drawn uniformly; no warm-up pass unless --warmup: nothing is left to
+compile, but auto measures its entries as it serves, so --warmup shows a long-lived server
+rather than a fresh one), and the server is stopped with SIGTERM. The prompts are the
+held-out ShareGPT turns whose chat prompt fits a slot with the longest workload's tokens to
+spare (a longer one would be refused with a 400 and counted as an error, not measured).
+Reported per config, workload and concurrency: aggregate and per-user tokens/s, TTFT, ITL and
+TPOT (p50 / p99), errors, and where the server's host time went.
 
 --ceiling W...: after the servers, in this process, each config (or each --ceiling-configs
 YAML) runs exactly the requests of the W-client level (same prompts, chat template, lengths,
@@ -74,6 +75,9 @@ def parser() -> argparse.ArgumentParser:
         help="output lengths, one sweep each: N, or LO-HI (uniform)",
     )
     p.add_argument("--procs", type=int, help="client processes (default: one per 64 clients)")
+    p.add_argument("--warmup", action="store_true",
+                   help="an unmeasured pass over every level first: a long-lived server's "
+                   "state (auto's measured picks) rather than a fresh one's")  # fmt: skip
     p.add_argument(
         "--ceiling",
         type=int,
@@ -165,7 +169,7 @@ def sweep(config: str, prompts: list[str], args) -> dict:
         started = time.perf_counter() - t0
         for lengths in args.workloads:
             report = bench.run(url, prompts, args.concurrency, lengths, args.requests,
-                               warmup=False, waves=args.waves, procs=args.procs)  # fmt: skip
+                               warmup=args.warmup, waves=args.waves, procs=args.procs)  # fmt: skip
             print(f"{config}, max_tokens {lengths}:\n{bench.table(report)}", flush=True)
             workloads.append(report)
     finally:

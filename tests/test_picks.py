@@ -6,21 +6,24 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from kdj.decode import auto
 from kdj.decode.picks import SPACING_MAX, SPACING_MIN, Picks, spacing, worth_compiling
 
 
-def run(picks: Picks, rates, chunks: int, width: int = 4, seconds=None):
+def run(picks: Picks, rates, chunks: int, width: int = 4, seconds=None, prompts=None):
     """`chunks` chunks at `width`, entry i committing rates[i] tokens per row-second (16 steps
-    of 16 live rows, one second a chunk unless `seconds` says per entry); returns the
-    seconds each entry ran."""
+    of 16 live rows, one second a chunk unless `seconds` says per entry), times prompts[k]
+    in chunk k (the rows' prompts: easier or harder for every entry); returns the seconds
+    each entry ran."""
     ran = [0.0] * len(rates)
-    for _ in range(chunks):
+    for k in range(chunks):
         i, recheck = picks.next(width)
         s = 1.0 if seconds is None else seconds[i]
-        tokens = round(rates[i] * s * 16)  # rate = tokens / row_steps * steps / s
+        ease = 1.0 if prompts is None else prompts[k]
+        tokens = round(rates[i] * ease * s * 16)  # rate = tokens / row_steps * steps / s
         picks.observe(width, i, tokens, 16 * 16, 16, s, recheck)
         ran[i] += s
     return ran
@@ -48,13 +51,27 @@ def test_a_slow_entrys_rechecks_are_spaced_in_time_not_chunks():
 
 
 def test_the_pick_follows_a_change():
-    """The best entry gets worse (longer contexts, other prompts): the re-checks find the
-    other one and the width moves to it."""
+    """The best entry gets worse against the other (longer contexts cost trees more): the
+    next re-check, at most SPACING_MAX of its chunks away, finds it and the width moves."""
     picks = Picks({4: [1.0, 1.0]})
     run(picks, [10.0, 16.0], 400)
     assert picks.best(4) == 1
-    run(picks, [10.0, 6.0], 40)  # the running entry's own mean sees it within a few chunks
+    run(picks, [10.0, 6.0], int(SPACING_MAX) + 8)
     assert picks.best(4) == 0
+
+
+def test_the_pick_is_not_fooled_by_the_prompts_under_it():
+    """The rows' prompts change every few chunks and move every entry's rate 3x, far more
+    than the entries differ (1.2x): each re-check is scored against the best entry's chunks
+    beside it, on the same rows (a pair whose two sides disagree, the prompts changed
+    within it, is void), so the width settles on the better entry and stays."""
+    rng = np.random.default_rng(0)
+    prompts = np.repeat(rng.choice([0.4, 1.2], 400), rng.integers(2, 6, 400))[:1500]
+    picks = Picks({4: [1.0, 1.0]})
+    ran = run(picks, [10.0, 12.0], len(prompts), prompts=prompts)
+    assert picks.best(4) == 1 and ran[0] / sum(ran) < 0.03
+    report = picks.report({4: ("chain3", "tree4")})[4]["entries"]
+    assert report["chain3"]["relative"] == pytest.approx(10 / 12, rel=0.03)
 
 
 def test_widths_are_measured_apart():
@@ -122,3 +139,14 @@ def test_the_pools_auto_runs_pinned_chunks_and_says_what_it_measured(vocab12_pai
     assert all(entries[n]["priced"] == pytest.approx(pricing[n] / 2) for n in entries)
     choices = engine.stats.choices[2]
     assert choices["plain"][0] > 0 and choices["chain5"][0] > 0 and choices["tree12"][0] > 0
+
+
+def test_a_dropped_chunk_leaves_no_recheck_waiting():
+    """A re-check waits for the chunk after it to be scored; chunks dropped in flight (a
+    failed program) void it, and the entry is re-checked next."""
+    picks = Picks({4: [1.0, 1.0]})
+    for entry, recheck in [(0, False), (0, False), (1, True), (1, True)]:
+        picks.observe(4, entry, 32, 16, 16, 1.0, recheck)
+    assert picks.entries[4][1].score is None  # its pair waits for entry 0's next chunk
+    picks.requeue()
+    assert picks.next(4) == (1, True)
