@@ -773,6 +773,20 @@ def test_serve_on_a_port_in_use_says_so_before_loading(monkeypatch):
         main(["serve", "--host", "no-such-host.invalid"])
 
 
+def test_serve_with_a_context_that_holds_no_chat_says_so_before_listening():
+    """--context 10: SmolLM2's chat template alone is longer, so every chat request would be
+    refused; the server says so and does not start."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(SystemExit, match=r"kdj serve: --context 10 holds no chat request: the "
+                                         r"chat template alone takes \d+ tokens.*give --context "
+                                         r"\d+ or more"):  # fmt: skip
+        main(["serve", "--context", "10", "--port", str(port)])
+
+
 def test_a_config_dir_lists_its_yaml_files(monkeypatch):
     never_loads(monkeypatch)
     with pytest.raises(SystemExit, match="configs/runs is a directory: give a YAML file, e.g. "

@@ -745,6 +745,31 @@ def test_sampled_choices_differ_and_keep_the_seed(server):
     assert len({c["text"] for c in unseeded.json()["choices"]}) == 3
 
 
+def test_completions_take_a_batch_of_prompts(server):
+    """/v1/completions with a list of prompts (strings or token-id lists): n choices each, in
+    prompt order (index = prompt x n + choice), each the text that prompt gets alone, usage
+    over every prompt once; streamed, each index's text the same."""
+    client = openai_client(server)
+    prompts = ["the cat", "hello", [5, 6, 7]]
+    alone = [client.completions.create(model="tiny", prompt=p, max_tokens=5) for p in prompts]
+    both = client.completions.create(model="tiny", prompt=prompts, max_tokens=5, n=2)
+    assert [c.index for c in both.choices] == list(range(6))
+    assert [c.text for c in both.choices] == [a.choices[0].text for a in alone for _ in (0, 1)]
+    assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert both.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    texts = {}
+    for chunk in client.completions.create(model="tiny", prompt=prompts, max_tokens=5,
+                                           stream=True):  # fmt: skip
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {i: a.choices[0].text for i, a in enumerate(alone)}
+    # the last: 39 choices, past the server's 36
+    bad = [{"prompt": []}, {"prompt": ["hi", 5]}, {"prompt": [[1, 2], []]}, {"prompt": [[-1]]},
+           {"prompt": ["hi"] * 13, "n": 3}]  # fmt: skip
+    for reply in post_many(server, [(TEXTS, {"max_tokens": 2, **b}) for b in bad]):
+        refused(reply, "prompt", "prompt")
+
+
 def refused(reply, param, *words):
     """A 400 in OpenAI's error shape naming `param` and saying each of `words`."""
     assert reply.status_code == 400, reply.text

@@ -103,6 +103,18 @@ def check_pool_fits(target, max_batch: int, context: int) -> None:
                          "--max-batch or --context")  # fmt: skip
 
 
+def check_context_holds_a_chat(target, context: int) -> None:
+    """A slot of --context tokens holds a one-word chat message under the target's chat
+    template and one token of answer: a smaller one would answer every chat request 400."""
+    tok = target.tokenizer
+    least = len(tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi"}]))) + 1
+    if context < least:
+        raise ValueError(f"--context {context} holds no chat request: the chat template "
+                         f"alone takes {least - 1} tokens of a one-word message, and its "
+                         f"answer one more; give --context {least} or more (the default is "
+                         "2048)")  # fmt: skip
+
+
 def cmd_serve(args) -> int:
     import kdj
 
@@ -117,6 +129,7 @@ def cmd_serve(args) -> int:
     target = kdj.load_target(run["target"], dtype=dtype_name(run["dtype"]))
     drafter = kdj.load_drafter(run["drafter"], target=target) if run["drafter"] else None
     check_pool_fits(target, args.max_batch, args.context)
+    check_context_holds_a_chat(target, args.context)
     name = args.model_name or str(run["target"])
     app = make_app(target, name, drafter=drafter, method=dec["method"],
                    block_size=dec["block_size"], tree_budget=dec["tree_budget"],

@@ -273,7 +273,7 @@ class Reply:
 
     def __init__(self, served: Served, parsed: Parsed, chat: bool):
         self.served, self.chat = served, chat
-        self.prompt_tokens = len(parsed.requests[0].tokens)  # one prompt for every choice
+        self.prompt_tokens = parsed.prompt_tokens
         self.texts = [TextStream(served, parsed.stops) for _ in parsed.requests]
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())

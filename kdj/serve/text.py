@@ -58,10 +58,11 @@ class Served:
 
 
 class Parsed(NamedTuple):
-    requests: tuple[Request, ...]  # one engine request per choice (OpenAI's `n`)
+    requests: tuple[Request, ...]  # one engine request per choice: n per prompt, in order
     stream: bool
     stops: tuple[str, ...]  # stop strings: the text is cut before the first
     usage_stream: bool = False  # every streamed chunk carries the usage so far
+    prompt_tokens: int = 0  # over the request's prompts (each counted once, whatever n)
 
 
 def _number(body, name, default, lo, hi, lo_open=False) -> float:
@@ -193,18 +194,9 @@ def parse(body: Any, served: Served, chat: bool) -> Parsed:
                       "model_not_found")  # fmt: skip
     tok = served.tokenizer
     if chat:
-        tokens = tok.encode(tok.apply_chat_template(_messages(body)))
+        prompts = [tok.encode(tok.apply_chat_template(_messages(body)))]
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            tokens = tok.encode(prompt)
-        elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-            if not all(0 <= t < tok.vocab_size for t in prompt):
-                raise Invalid(f"prompt token ids must be in [0, {tok.vocab_size})", "prompt")
-            tokens = list(prompt)
-        else:
-            raise Invalid("'prompt' must be a string or a list of token ids (one prompt)",
-                          "prompt")  # fmt: skip
+        prompts = _prompts(body.get("prompt"), tok)
     stop = body.get("stop", [])
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
@@ -225,12 +217,40 @@ def parse(body: Any, served: Served, chat: bool) -> Parsed:
             raise Invalid(f"stream_options.{key} must be true or false", "stream_options")
     seed = _integer(body, "seed", 0, 0, 2**32 - 1) if "seed" in body else None
     n = _integer(body, "n", 1, 1, served.max_n)
+    if len(prompts) * n > served.max_n:
+        raise Invalid(f"{len(prompts)} prompts x n={n} make {len(prompts) * n} choices; this "
+                      f"server takes at most {served.max_n} a request", "prompt")  # fmt: skip
     max_new = _max_tokens(body, served)
     temperature = _number(body, "temperature", served.temperature, 0.0, 100.0)
     top_p = _number(body, "top_p", served.top_p, 0.0, 1.0, lo_open=True)
     requests = tuple(Request(list(tokens), max_new, list(served.stop_ids), temperature, top_p, s,
-                             logprobs) for s in _seeds(seed, n))  # fmt: skip
-    return Parsed(requests, stream, tuple(stop), options.get("continuous_usage_stats", False))
+                             logprobs) for tokens in prompts for s in _seeds(seed, n))  # fmt: skip
+    return Parsed(requests, stream, tuple(stop), options.get("continuous_usage_stats", False),
+                  sum(map(len, prompts)))  # fmt: skip
+
+
+def _prompts(prompt: Any, tok) -> list[list[int]]:
+    """/v1/completions' `prompt` as token ids, one list per prompt: a string, a list of token
+    ids, or a non-empty list of either (a batch: each prompt gets n choices)."""
+    if isinstance(prompt, str) or _ids(prompt):
+        batch = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _ids(p)
+                                                     for p in prompt):  # fmt: skip
+        batch = prompt
+    else:
+        raise Invalid("'prompt' must be a string, a list of token ids, or a non-empty list of "
+                      "either", "prompt")  # fmt: skip
+    out = []
+    for p in batch:
+        if isinstance(p, list) and not all(0 <= t < tok.vocab_size for t in p):
+            raise Invalid(f"prompt token ids must be in [0, {tok.vocab_size})", "prompt")
+        out.append(tok.encode(p) if isinstance(p, str) else list(p))
+    return out
+
+
+def _ids(x: Any) -> bool:
+    """A non-empty list of token ids (ints, not bools)."""
+    return isinstance(x, list) and bool(x) and all(type(t) is int for t in x)
 
 
 class Scored(NamedTuple):
