@@ -411,6 +411,18 @@ def parser(prog: str = "roofline") -> argparse.ArgumentParser:
     return p
 
 
+def check_beside(out: Path) -> None:
+    """The .md and .png written beside --out replace only an earlier run's (its --out JSON is
+    there too), never a file of the user's that happens to share the name."""
+    if out.exists():
+        return
+    for side in (out.with_suffix(".md"), out.with_suffix(".png")):
+        if side.exists():
+            raise ValueError(f"--out {out} writes {side} beside it, and {side} exists (not "
+                             "an earlier run's: it has no JSON beside it); move it or choose "
+                             "another --out")  # fmt: skip
+
+
 def main(argv=None, prog: str = "roofline"):
     argv = sys.argv[1:] if argv is None else argv
     p = parser(prog)
@@ -421,9 +433,12 @@ def main(argv=None, prog: str = "roofline"):
         for name in args.models:
             if name != "smollm2-135m-instruct":
                 harness.model_config(name, args.layers)
-        for flag in ("--out", "--fit-cost"):
-            if getattr(args, flag[2:].replace("-", "_")):
-                values.output(getattr(args, flag[2:].replace("-", "_")), flag)
+        if args.out:
+            values.output(args.out, "--out", inputs={"--fit-cost": args.fit_cost,
+                                                     "--fit-from": args.fit_from})  # fmt: skip
+            check_beside(Path(args.out))
+        if args.fit_cost:
+            values.output(args.fit_cost, "--fit-cost", inputs={"--fit-from": args.fit_from})
     except (OSError, TypeError, ValueError) as e:
         p.error(str(e))
     if args.fit_from:
@@ -437,7 +452,9 @@ def main(argv=None, prog: str = "roofline"):
             have = sorted({r["model"] for r in saved})
             p.error(f"{args.fit_from} has no rows of {tag} ({args.experts[0]}); it has {have} "
                     "(pass --layers N for a slice's rows)")  # fmt: skip
-        cfg = harness.model_config(args.models[0], args.layers)
+        name = args.models[0]  # its config as the rows were measured (the real one loads)
+        real = name == "smollm2-135m-instruct"
+        cfg = harness.load(name)[0].cfg if real else harness.model_config(name, args.layers)
         args.argv = argv
         return fit_cost(cfg, rows, args, args.models[0], args.experts[0])
     if len(args.experts) > 2 or len(args.experts) == 2 and args.experts[0] != "bf16":

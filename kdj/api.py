@@ -389,7 +389,7 @@ def stream(opts: Options, target, drafter, batch: Batch, max_batch, temperature,
     )  # fmt: skip
     toks, texts = res.tokens, None
     if tokenizer is not None:
-        texts = [tokenizer.decode([t for t in seq if t not in batch.stops]) for seq in toks]
+        texts = [reply_text(tokenizer, seq, batch.stops) for seq in toks]
     new, steps = sum(map(len, toks)), sum(res.steps)
     stats = {"method": opts.method, "batch": B, "max_batch": max_batch, "new_tokens": new,
              "seconds": time.perf_counter() - t0, "request_steps": res.steps,
@@ -400,6 +400,12 @@ def stream(opts: Options, target, drafter, batch: Batch, max_batch, temperature,
         stats["menu"] = [str(s) for s in menus[max_batch]]
         stats["menus"] = {w: [str(s) for s in m] for w, m in menus.items()}
     return GenerateOutput(toks, texts, stats, finish_reasons(toks, batch), res.logprobs)
+
+
+def reply_text(tokenizer, tokens, stops) -> str:
+    """The text of a reply's tokens, stop tokens left out, and a last character that no token
+    completed (the reply was cut off inside it) dropped rather than shown as U+FFFD."""
+    return tokenizer.decode([t for t in tokens if t not in stops]).rstrip("\ufffd")
 
 
 def finish_reasons(tokens: list[list[int]], batch: Batch) -> list[str]:
@@ -424,7 +430,7 @@ def assemble(opts: Options, shapes, batch: Batch, res: Run, tokenizer,
     toks = [res.out[b, : res.n_out[b]].tolist() for b in range(B)]
     texts = None
     if tokenizer is not None:
-        texts = [tokenizer.decode([t for t in seq if t not in batch.stops]) for seq in toks]
+        texts = [reply_text(tokenizer, seq, batch.stops) for seq in toks]
     stats = decode_stats(method, res, B)
     if method != "ar":
         stats.update(speculative_stats(method, res, B, shapes, opts.block_size, opts.forecast))

@@ -257,8 +257,12 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise IsADirectoryError(f"{path} is a directory: give a YAML file, e.g. one of "
                                 f"{', '.join(names) or 'none here'}")  # fmt: skip
     try:
-        with path.open() as f:
+        with path.open(encoding="utf-8") as f:
             data = yaml.safe_load(f) or {}
+    except UnicodeDecodeError as e:
+        byte = e.object[e.start : e.start + 1]
+        raise ValueError(f"{path}: not a UTF-8 text file (byte {e.start}: {byte!r}); a YAML "
+                         "file is text") from None  # fmt: skip
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -787,6 +787,17 @@ def test_serve_with_a_context_that_holds_no_chat_says_so_before_listening():
         main(["serve", "--context", "10", "--port", str(port)])
 
 
+def test_calibrate_does_not_overwrite_a_built_in_drafters_calibration(monkeypatch):
+    never_loads(monkeypatch)
+    shipped = Path(kdj.__file__).parent / "assets" / "smollm2-135m-dflash-b16"
+    before = (shipped / "calibration.json").read_bytes()
+    for drafter in ("smollm2-135m-dflash-b16", str(shipped)):
+        why = "kdj calibrate: --save would replace the calibration shipped with the built-in"
+        with pytest.raises(SystemExit, match=why):
+            main(["calibrate", "--drafter", drafter, "--save"])
+    assert (shipped / "calibration.json").read_bytes() == before
+
+
 def test_a_config_dir_lists_its_yaml_files(monkeypatch):
     never_loads(monkeypatch)
     with pytest.raises(SystemExit, match="configs/runs is a directory: give a YAML file, e.g. "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -170,6 +171,39 @@ def test_roofline_smoke(tmp_path, tiny):
     assert StepCost.load(tmp_path / "refit.json") == StepCost.load(
         tmp_path / "cost_tiny-moe_int4.json"
     )
+
+
+def test_bench_writes_no_file_of_the_users(tmp_path, capsys):
+    """kdj bench's --out never lands on its own --fit-cost or --fit-from, and the .md / .png
+    it writes beside --out replace only an earlier run's (found before any model runs)."""
+    out, notes = tmp_path / "res.json", tmp_path / "res.md"
+    notes.write_text("my notes")
+    cases = [(["--out", str(out)], "res.md exists"),
+             (["--out", str(out), "--fit-cost", str(out)], "--out .* is the --fit-cost file"),
+             (["--fit-from", str(out), "--fit-cost", str(out), "--experts", "bf16"],
+              "--fit-cost .* is the --fit-from file")]  # fmt: skip
+    for argv, msg in cases:
+        with pytest.raises(SystemExit):
+            main(["bench", "--models", "smollm2-135m-instruct", *argv])
+        assert re.search(msg, capsys.readouterr().err)
+    assert notes.read_text() == "my notes"
+
+
+def test_bench_refits_the_real_targets_rows(tmp_path):
+    """--fit-from with the name --models measures under (the real SmolLM2, which has no
+    configs/models YAML): its rows refit to a cost exact at each measured step."""
+    from kdj.cost import StepCost
+
+    rows = [{"model": "smollm2-135m-instruct", "experts": "bf16", "batch": b,
+             "tokens_per_seq": t, "context": 64, "step_ms": ms}
+            for b, t, ms in [(1, 1, 1.0), (8, 1, 1.1), (1, 16, 1.3), (64, 16, 3.0)]]  # fmt: skip
+    saved = tmp_path / "rows.json"
+    saved.write_text(json.dumps({"rows": rows}))
+    cost = tmp_path / "cost.json"
+    main(["bench", "--models", "smollm2-135m-instruct", "--experts", "bf16", "--fit-from",
+          str(saved), "--fit-cost", str(cost)])  # fmt: skip
+    fitted = StepCost.load(cost)
+    assert float(fitted.seconds(64, 16, 64)) == pytest.approx(3.0e-3)
 
 
 # ------------------------------------------------------------------------------ moe-kernels

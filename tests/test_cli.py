@@ -298,6 +298,13 @@ def test_run_yaml_values_are_checked_before_any_model_loads(no_loading, tmp_path
         main(["generate", "--config", str(run)])
 
 
+def test_a_run_yaml_that_is_not_text_is_named(no_loading, tmp_path):
+    run = tmp_path / "run.yaml"
+    run.write_bytes(b"\xff\xfe d\x00e\x00")  # UTF-16, as some editors save
+    with pytest.raises(SystemExit, match=f"kdj generate: {run}: not a UTF-8 text file"):
+        main(["generate", "--config", str(run)])
+
+
 @pytest.mark.parametrize(
     "yaml, msg",
     [("decode:\n  method: dflash\n", r"method 'dflash' needs a drafter \(a drafter: field in "),

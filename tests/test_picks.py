@@ -113,7 +113,7 @@ def test_what_a_width_compiles():
 def test_the_pools_auto_runs_pinned_chunks_and_says_what_it_measured(vocab12_pair):
     """An Engine running auto: each chunk ran one entry (its tally has one drafting entry or
     plain steps), every entry was measured at the width that ran, and the entry it runs is
-    the best measured; the tokens are plain greedy's."""
+    the best paired; the tokens are plain greedy's. Sampled chunks are measured apart."""
     import kdj
     from kdj.decode.engine import Engine
     from kdj.decode.requests import Request
@@ -134,11 +134,18 @@ def test_the_pools_auto_runs_pinned_chunks_and_says_what_it_measured(vocab12_pai
     entries = report["entries"]
     assert set(entries) == {"none", "chain5", "tree12"}
     assert all(e["chunks"] >= 1 and e["measured"] > 0 for e in entries.values())
-    assert report["runs"] == max(entries, key=lambda n: entries[n]["measured"])
+    assert entries[report["runs"]]["relative"] == 1.0
+    assert all(e["relative"] is None or e["relative"] <= 1.0 for e in entries.values())
     pricing = engine.pricing()[2]  # a full pool's tok/s; the report's, a row's
     assert all(entries[n]["priced"] == pytest.approx(pricing[n] / 2) for n in entries)
     choices = engine.stats.choices[2]
     assert choices["plain"][0] > 0 and choices["chain5"][0] > 0 and choices["tree12"][0] > 0
+    for p in prompts:  # sampled: measured apart, the greedy picks untouched
+        engine.submit(Request(p, 40, [], temperature=1.0, seed=0))
+    while engine.busy:
+        engine.step()
+    after = engine.measured()
+    assert after[2] == report and after["2 sampled"]["entries"]["none"]["chunks"] >= 1
 
 
 def test_a_dropped_chunk_leaves_no_recheck_waiting():

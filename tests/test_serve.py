@@ -82,7 +82,8 @@ def test_pool_stop_tokens_cancel_and_bad_requests(target):
     assert out == got[a]
     for bad, why in [(Request([], 4, []), "empty"), (Request([1], 0, []), "max_tokens"),
                      (Request([1] * 60, 8, []), "context"),
-                     (Request([1], 4, [], top_p=0.0), "top_p")]:  # fmt: skip
+                     (Request([1], 4, [], top_p=0.0), "top_p"),
+                     (Request([1], 4, [], temperature=float("nan")), "got nan")]:  # fmt: skip
         with pytest.raises(ValueError, match=why):
             engine.submit(bad)
 
@@ -662,6 +663,11 @@ def test_stop_strings_and_sampling(server):
     cut = httpx.post(server + "/v1/completions", json={**body, "stop": [stop]}, timeout=60)
     choice = cut.json()["choices"][0]
     assert choice["text"] == text[: text.index(stop)] and choice["finish_reason"] == "stop"
+    # usage counts the tokens up to the one completing the stop string, not those decoded after
+    scored = httpx.post(server + "/v1/completions", json={**body, "logprobs": 0}, timeout=60)
+    ends = np.cumsum([len(t) for t in scored.json()["choices"][0]["logprobs"]["tokens"]])
+    upto = int(np.searchsorted(ends, text.index(stop) + len(stop))) + 1
+    assert cut.json()["usage"]["completion_tokens"] == upto
     streamed, last = stream_text(server, "/v1/completions", {**body, "stop": stop})
     assert streamed == choice["text"] and last["choices"][0]["finish_reason"] == "stop"
     sampled = httpx.post(server + "/v1/completions", timeout=60,
@@ -814,7 +820,8 @@ def test_fields_kdj_does_not_honour_are_refused(server):
               (CHATS, {"tool_choice": "auto"}), (CHATS, {"functions": [{"name": "f"}]}),
               (CHATS, {"response_format": {"type": "json_object"}}), (TEXTS, {"best_of": 2}),
               (TEXTS, {"echo": True}), (TEXTS, {"suffix": "x"}),
-              (CHATS, {"top_k": 5}), (TEXTS, {"messages": []})]  # fmt: skip
+              (CHATS, {"top_k": 5}), (TEXTS, {"messages": []}),
+              (TEXTS, {"stream_options": {"include_usage": True}})]  # fmt: skip
     accept = [(CHATS, {"presence_penalty": 0, "frequency_penalty": None, "logprobs": False}),
               (CHATS, {"response_format": {"type": "text"}, "user": "ann", "tools": []}),
               (CHATS, {"stream": True, "stream_options": {"include_usage": True}}),
@@ -871,6 +878,9 @@ def test_every_error_in_openai_shape(server, monkeypatch):
     assert err["type"] == "invalid_request_error" and "GET" in err["message"]
     shape(httpx.post(server + "/health"), 405, "method_not_allowed")
     refused(httpx.post(server + TEXTS, content=b"[1"), None, "malformed JSON")
+    for bad in (b"NaN", b"Infinity", b"-Infinity"):  # Python reads them; JSON has no such number
+        body = b'{"prompt": "hi", "max_tokens": 2, "temperature": %s}' % bad
+        refused(httpx.post(server + TEXTS, content=body), None, "malformed JSON", "not a JSON")
 
     def broken(*args):
         raise RuntimeError("a bug")

@@ -190,7 +190,14 @@ def cmd_calibrate(args) -> int:
         raise ValueError(f"--tree-budget applies to --method ddtree, not {args.method}")
     check_sources(args.target, args.drafter)
     if args.save:  # where the fit goes, checked before the runs
-        values.output(str(kdj.loading.drafter_path(args.drafter) / "calibration.json"), "--save")
+        where = kdj.loading.drafter_path(args.drafter)
+        shipped = Path(kdj.__file__).resolve().parent / "assets"
+        if where.resolve().is_relative_to(shipped):
+            raise ValueError(f"--save would replace the calibration shipped with the built-in "
+                             f"drafter {args.drafter} ({where / 'calibration.json'}), which "
+                             "every later run loads; copy the drafter's folder and calibrate "
+                             "the copy, or leave out --save to print the fit")  # fmt: skip
+        values.output(str(where / "calibration.json"), "--save")
     with needs("train"):
         from kdj.train.loop import chat_prompts
 

@@ -150,9 +150,11 @@ class Engine:
         self.priors = {w: jnp.zeros((1,), jnp.float32) for w in self.widths}  # auto's, per entry
         if drafter is not None:
             self._drafting_plans(drafter, block_size, menu, cost)
-        # auto's entry per chunk, per width, from what the chunks measured (kdj/decode/picks.py)
+        # auto's entry per chunk, per mode (greedy or sampled: the entries rank differently)
+        # and width, from what the chunks measured (kdj/decode/picks.py)
         priced = self.pricing()  # a full pool's tok/s: a row's is the width's share
-        self.picks = Picks({w: [r / w for r in p.values()] for w, p in priced.items()})
+        self.picks = {greedy: Picks({w: [r / w for r in p.values()] for w, p in priced.items()})
+                      for greedy in (True, False)}  # fmt: skip
         self.greedy, self.wake, self.lookahead = True, wake, lookahead
         self.logprobs = False  # whether the pool records log-probabilities (its mode's)
         self.wake_share = wake_share
@@ -251,11 +253,13 @@ class Engine:
                           for s in plan.menu}  # fmt: skip
         return out
 
-    def measured(self) -> dict[int, dict]:
-        """Why auto runs what it runs: per width it has run at, the entry it runs now and each
-        entry's measured tokens per live row per second beside the cost model's (`Picks`)."""
+    def measured(self) -> dict:
+        """Why auto runs what it runs: per width it has run greedy chunks at (keyed by the
+        width) and sampled ones ("W sampled"), the entry it runs now and each entry's measured
+        tokens per live row per second beside the cost model's (`Picks`)."""
         names = {w: tuple(map(str, plan.menu)) for w, plan in self.plans.items()}
-        return self.picks.report(names)
+        sampled = self.picks[False].report(names)
+        return {**self.picks[True].report(names), **{f"{w} sampled": r for w, r in sampled.items()}}
 
     @property
     def plan(self) -> Plan:
@@ -310,8 +314,9 @@ class Engine:
                              f" exceed the context of {self.S} tokens")  # fmt: skip
         if len(req.stop) > STOP_WIDTH:
             raise ValueError(f"at most {STOP_WIDTH} stop tokens, got {len(req.stop)}")
-        if req.temperature < 0 or not 0 < req.top_p <= 1:
-            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        if not (req.temperature >= 0 and 0 < req.top_p <= 1):  # a NaN fails it too
+            raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got "
+                             f"{req.temperature} and {req.top_p}")  # fmt: skip
         if req.logprobs is not None and not 0 <= req.logprobs <= lps.MAX_TOP:
             raise ValueError(f"logprobs must be in [0, {lps.MAX_TOP}], got {req.logprobs}")
 
@@ -333,7 +338,8 @@ class Engine:
         self.sent.clear()
         self.steps.clear()
         self.inflight.clear()
-        self.picks.requeue()
+        for picks in self.picks.values():
+            picks.requeue()
         self.newcomers.clear()
         self.cancelled.clear()
         self.pool = self._empty(self.width)
@@ -361,7 +367,7 @@ class Engine:
             plan = dataclasses.replace(self.plan, greedy=self.greedy)
             pin, recheck = None, False
             if plan.adaptive:  # auto: one entry a chunk, picked from what chunks measured
-                pin, recheck = self.picks.next(self.width)
+                pin, recheck = self.picks[plan.greedy].next(self.width)
                 plan = dataclasses.replace(plan, pin=pin)
             fn = self._chunk_program(self._shape(self.width), self.width, plan)
             wake = max(self.wake, math.ceil(self.wake_share * live))
@@ -372,7 +378,7 @@ class Engine:
             choices = (*map(str, self.plans[self.width].menu), "plain")
             chunk, follows = self.stats.chunks, bool(self.inflight)
             self.inflight.append(InFlight(ran, list(self.slots), self.width, choices, chunk,
-                                          follows, pin, recheck))  # fmt: skip
+                                          follows, pin, recheck, plan.greedy))  # fmt: skip
             self.stats.chunks += 1
             self.stats.widths[self.width] = self.stats.widths.get(self.width, 0) + 1
         if self.inflight and (len(self.inflight) > self.lookahead or not live):
@@ -640,10 +646,11 @@ class Engine:
         the row-steps they took, over the rows still held (a cancelled row counts in
         neither), its steps and seconds. A width whose best entry changed searches its chunk
         length afresh: the steps cost what the new one costs."""
-        before = self.picks.best(flight.width)
-        self.picks.observe(flight.width, flight.pin, committed, row_steps, steps, seconds,
-                           flight.recheck)  # fmt: skip
-        if self.picks.best(flight.width) != before:
+        picks = self.picks[flight.greedy]
+        before = picks.best(flight.width)
+        picks.observe(flight.width, flight.pin, committed, row_steps, steps, seconds,
+                      flight.recheck)  # fmt: skip
+        if picks.best(flight.width) != before:
             self.chunk_steps.forget(flight.width)
 
 
@@ -658,6 +665,7 @@ class InFlight(NamedTuple):
     follows: bool  # queued while the chunk before it was in flight (the device had work)
     pin: int | None = None  # auto: the menu entry it ran (Plan.pin)
     recheck: bool = False  # auto: a re-check of an entry other than the width's best
+    greedy: bool = True  # the pool's mode it ran in (auto measures each mode's picks apart)
 
 
 class Newcomers(NamedTuple):

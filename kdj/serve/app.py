@@ -155,7 +155,7 @@ def build_app(worker: Worker, served: Served) -> FastAPI:
 
     async def handle(request: Request, chat: bool):
         try:
-            body = json.loads(await request.body())
+            body = json.loads(await request.body(), parse_constant=not_json)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return error(400, f"malformed JSON: {e}")
         tickets = []
@@ -307,8 +307,9 @@ class Reply:
                 "text_offset": [s.offset for s in scored]}  # fmt: skip
 
     def usage(self) -> dict:
-        counts = [len(t.tokens) for t in self.texts]
-        n, steps = sum(counts), sum(self.steps)
+        counts = [len(t.tokens) for t in self.texts]  # as decoded
+        n = sum(len(t.tokens) if t.kept is None else t.kept for t in self.texts)  # as replied
+        steps = sum(self.steps)
         # tokens per step: prefill gives each choice its first token, each step one or more
         mean = sum(max(c - 1, 0) for c in counts) / steps if steps else None
         stats = {"method": self.served.method, "steps": steps, "mean_acceptance": mean}
@@ -343,6 +344,12 @@ class Reply:
         if usage:
             obj["usage"] = self.usage()
         return obj
+
+
+def not_json(name: str):
+    """NaN, Infinity and -Infinity, which Python's json module reads but JSON has not: a
+    number field holding one would slip past every range check."""
+    raise json.JSONDecodeError(f"{name} is not a JSON number", name, 0)
 
 
 def chat_logprob(s: Scored) -> dict:

@@ -225,8 +225,8 @@ def stats_delta(before: dict, after: dict, wall: float) -> dict:
         # measured (tokens per live row per second) with the entry it runs (why it chose so)
         "pricing": {w: p for w, p in after.get("pricing", {}).items() if w in widths and
                     widths[w]},
-        "measured": {w: p for w, p in after.get("measured", {}).items() if w in widths and
-                     widths[w]},
+        "measured": {w: p for w, p in after.get("measured", {}).items()
+                     if widths.get(w.split()[0])},  # "W" (greedy) or "W sampled"
         "loop_lag_mean_ms": 1e3 * d("loop_lag", "total_s") / lag_n if lag_n else float("nan"),
         "loop_lag_max_ms": 1e3 * after["loop_lag"]["max_s"],
         # XLA compiles while the level ran (a warm server should have none)

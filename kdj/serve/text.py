@@ -69,7 +69,7 @@ def _number(body, name, default, lo, hi, lo_open=False) -> float:
     x = body.get(name, default)
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         raise Invalid(f"'{name}' must be a number, got {x!r}", name)
-    if x < lo or x > hi or (lo_open and x == lo):
+    if not lo <= x <= hi or (lo_open and x == lo):  # a NaN fails it too
         interval = f"{'(' if lo_open else '['}{lo}, {hi}]"
         raise Invalid(f"'{name}' must be in {interval}, got {x}", name)
     return float(x)
@@ -209,6 +209,8 @@ def parse(body: Any, served: Served, chat: bool) -> Parsed:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise Invalid("'stream_options' must be an object", "stream_options")
+    if options and not stream:  # as OpenAI: options of a stream there is none of
+        raise Invalid("'stream_options' is only allowed with 'stream': true", "stream_options")
     for key, value in options.items():
         if key not in STREAM_OPTIONS:
             raise Invalid(f"unrecognized stream option {key!r}; kdj takes "
@@ -285,6 +287,7 @@ class TextStream:
         self.scored: list[Scored] = []  # the tokens whose text is out
         self._held: list[Scored] = []  # and those whose text is not yet
         self._end = 0  # where the next scored token's text starts
+        self.kept: int | None = None  # tokens up to the end of the stop string that cut it
 
     def _decoded(self) -> str:
         """The text of all ids; `text` / `done` advance when it ends in a whole character."""
@@ -335,17 +338,33 @@ class TextStream:
             i for s in self.stops if (i := text.find(s, max(0, len(self.sent) - len(s) + 1))) >= 0
         ]
         if cuts:
+            end = min(i + len(s) for s in self.stops if (i := text.find(s)) == min(cuts))
+            self.kept = self._tokens_to(end)
             text, self.stopped, final = text[: min(cuts)], True, True
         if not final:
             hold = max((len(s) - 1 for s in self.stops), default=0)
             text = text[: len(text) - hold] if hold else text
-            text = text.rstrip("\ufffd")
+        text = text.rstrip("\ufffd")  # a character no token completed (yet, or ever: cut off)
         delta = text[len(self.sent) :] if text.startswith(self.sent) else ""
         self.sent += delta
         out = [s for s in self._held if s.offset < len(self.sent) or (final and not cuts)]
         self.scored += out
         self._held = self._held[len(out) :]
         return delta
+
+    def _tokens_to(self, end: int) -> int:
+        """The fewest tokens whose text reaches `end` characters: the reply's tokens up to the
+        one that completes its stop string (the pool may have decoded more by the time a
+        chunk ends; usage counts these, as OpenAI's does)."""
+        decode = self.served.tokenizer.decode
+        lo, hi = 1, len(self.ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(decode(self.ids[:mid]).rstrip("\ufffd")) >= end:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     @property
     def finish_reason(self) -> str:
