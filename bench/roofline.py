@@ -411,6 +411,15 @@ def parser(prog: str = "roofline") -> argparse.ArgumentParser:
     return p
 
 
+def check_fit(steps: int, source: str | None = None) -> None:
+    """--fit-cost fits three rates (fixed, per byte, per FLOP): fewer distinct steps than
+    that leave them undetermined, and the cost right only where it was measured."""
+    if steps < 3:
+        where = f"{source} has" if source else "--batches x --tokens (within --max-tokens) give"
+        raise ValueError(f"--fit-cost needs 3 or more distinct (batch, tokens) steps to fit its "
+                         f"fixed, per-byte and per-FLOP rates; {where} {steps}")  # fmt: skip
+
+
 def check_beside(out: Path) -> None:
     """The .md and .png written beside --out replace only an earlier run's (its --out JSON is
     there too), never a file of the user's that happens to share the name."""
@@ -439,6 +448,10 @@ def main(argv=None, prog: str = "roofline"):
             check_beside(Path(args.out))
         if args.fit_cost:
             values.output(args.fit_cost, "--fit-cost", inputs={"--fit-from": args.fit_from})
+        if args.fit_cost and not args.fit_from:
+            steps = {(b, t) for b in args.batches for t in args.tokens
+                     if not args.max_tokens or b * t <= args.max_tokens}  # fmt: skip
+            check_fit(len(steps))
     except (OSError, TypeError, ValueError) as e:
         p.error(str(e))
     if args.fit_from:
@@ -452,6 +465,10 @@ def main(argv=None, prog: str = "roofline"):
             have = sorted({r["model"] for r in saved})
             p.error(f"{args.fit_from} has no rows of {tag} ({args.experts[0]}); it has {have} "
                     "(pass --layers N for a slice's rows)")  # fmt: skip
+        try:
+            check_fit(len({(r["batch"], r["tokens_per_seq"]) for r in rows}), args.fit_from)
+        except ValueError as e:
+            p.error(str(e))
         name = args.models[0]  # its config as the rows were measured (the real one loads)
         real = name == "smollm2-135m-instruct"
         cfg = harness.load(name)[0].cfg if real else harness.model_config(name, args.layers)

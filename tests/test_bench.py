@@ -130,7 +130,7 @@ def test_drafter_config_published_shape_and_tiny_targets(tiny):
 def test_roofline_smoke(tmp_path, tiny):
     cfg = tiny["moe"]
     out = tmp_path / "roofline.json"
-    args = ["--models", str(cfg), "--experts", "bf16", "int4", "--batches", "1", "4",
+    args = ["--models", str(cfg), "--experts", "bf16", "int4", "--batches", "1", "2", "4",
             "--tokens", "1", "--moe-shapes", "1x4", "--context", "8", "--repeats", "1",
             "--matmul-size", "64", "--out", str(out),
             "--fit-cost", str(tmp_path / "cost.json")]  # fmt: skip
@@ -139,7 +139,7 @@ def test_roofline_smoke(tmp_path, tiny):
     assert_stamped(result, args)
     rows = result["rows"]
     assert [(r["experts"], r["batch"]) for r in rows] == [
-        ("bf16", 1), ("bf16", 4), ("int4", 1), ("int4", 4)
+        ("bf16", 1), ("bf16", 2), ("bf16", 4), ("int4", 1), ("int4", 2), ("int4", 4)
     ]  # fmt: skip
     for r in rows:
         b = r["bytes"]
@@ -148,7 +148,7 @@ def test_roofline_smoke(tmp_path, tiny):
         # one MoE layer: top-2 of 16 experts, so 1 token touches exactly 2, 4 tokens 2..8
         (touched,) = r["experts_touched_per_layer"]
         assert touched == 2 if r["batch"] == 1 else 2 <= touched <= 8
-    bf16, int4 = rows[0], rows[2]  # same weights, same routing; INT4 experts hold fewer bytes
+    bf16, int4 = rows[0], rows[3]  # same weights, same routing; INT4 experts hold fewer bytes
     assert bf16["experts_touched_per_layer"] == int4["experts_touched_per_layer"]
     assert int4["bytes"]["experts_touched"] < bf16["bytes"]["experts_touched"] / 3
     assert len(result["moe_rows"]) == 2
@@ -187,6 +187,11 @@ def test_bench_writes_no_file_of_the_users(tmp_path, capsys):
             main(["bench", "--models", "smollm2-135m-instruct", *argv])
         assert re.search(msg, capsys.readouterr().err)
     assert notes.read_text() == "my notes"
+    # three rates need three steps: refused before any model runs, not fitted to zeros
+    with pytest.raises(SystemExit):
+        main(["bench", "--models", "smollm2-135m-instruct", "--batches", "1", "4", "--tokens",
+              "1", "--fit-cost", str(tmp_path / "cost.json")])  # fmt: skip
+    assert "needs 3 or more distinct (batch, tokens) steps" in capsys.readouterr().err
 
 
 def test_bench_refits_the_real_targets_rows(tmp_path):
