@@ -203,8 +203,9 @@ def closed_loop(engine, requests: list, clients: int) -> int:
 
 def ceiling(config: str, prompts: list[str], args) -> list[dict]:
     """On each --ceiling W-client level's requests, per workload: kdj.generate(max_batch=W),
-    and the server's own pool (kdj.serve.app.serving_engine) driven in this process by a
-    closed loop of W clients, with no HTTP; each timed warm, after a pass that compiles it.
+    one prefill of W of those prompts (the yardstick of TTFT at W clients), and the server's
+    own pool (kdj.serve.app.serving_engine) driven in this process by a closed loop of W
+    clients, with no HTTP; each timed warm, after a pass that compiles it.
     --profile DIR: a cProfile of the pool's timed pass, per level."""
     import kdj
     from kdj.cli.runs import dtype_name, load_run
@@ -237,8 +238,17 @@ def ceiling(config: str, prompts: list[str], args) -> list[dict]:
                             for p, m in zip(batch, new)]  # fmt: skip
                 return closed_loop(engine, requests, w)
 
+            def prefill(w=w, batch=batch):
+                # one prefill of W prompts (and its first token): the yardstick for TTFT at W
+                out = kdj.generate(target, batch[:w], drafter=drafter, method=dec["method"],
+                                   block_size=dec["block_size"], tree_budget=dec["tree_budget"],
+                                   max_new_tokens=1, max_batch=w, cache_size=args.context,
+                                   temperature=0.0)  # fmt: skip
+                return sum(len(t) for t in out.tokens)
+
             row = {"config": config, "max_tokens": list(lengths), "max_batch": w, "requests": n}
-            calls = (("generate", generate),) + (() if args.no_ceiling_pool else (("pool", pool),))
+            calls = (("generate", generate), ("prefill", prefill))
+            calls += () if args.no_ceiling_pool else (("pool", pool),)
             for name, call in calls:
                 t0 = time.perf_counter()
                 call()  # compiles every shape this workload meets
