@@ -192,7 +192,8 @@ def check_options(target, drafter, method, block_size, tree_budget, menu, calibr
     if drafter is not None:
         arguments.loaded(drafter, Drafter, "drafter", "kdj.load_drafter")
     method = arguments.method(method, drafter is not None, block_size=block_size,
-                              tree_budget=tree_budget, menu=menu, cost=cost)  # fmt: skip
+                              tree_budget=tree_budget, menu=menu, cost=cost,
+                              calibration=calibration)  # fmt: skip
     arguments.sampling(temperature, top_p)
     menu = arguments.menu(menu)
     speculative = method != "ar"

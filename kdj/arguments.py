@@ -28,6 +28,7 @@ APPLIES_TO = {
     "tree_budget": ("ddtree",),
     "menu": ("auto",),
     "cost": ("auto",),
+    "calibration": ("dflash", "ddtree", "auto"),
 }
 
 
@@ -100,7 +101,7 @@ def cost(value):
         raise TypeError(f"cost must be {choices}; got {type(value).__name__}")
     if not Path(value).is_file():
         raise ValueError(f"cost {str(value)!r} is not a file: cost is {choices}")
-    return value
+    return StepCost.load(value)  # read now: a bad file is named before anything compiles
 
 
 def method(name, has_drafter: bool, **given) -> str:
@@ -151,6 +152,9 @@ def prompts(value) -> list:
             )
         if not np.issubdtype(value.dtype, np.integer):
             raise TypeError(f"prompts must hold integer token ids (got dtype {value.dtype})")
+        if not value.size:
+            raise ValueError(f"no prompts given (an array of shape {value.shape}): a batch of "
+                             "token ids needs at least one row of at least one id")  # fmt: skip
         return value.tolist()
     if not isinstance(value, Sequence):
         raise TypeError(f"prompts must be a str or a list of prompts, got {type(value).__name__}")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -227,10 +228,37 @@ class StepCost:
 
     @classmethod
     def load(cls, path) -> StepCost:
-        data = json.loads(Path(path).read_text())
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - names
+        """The StepCost `save` wrote to `path`; any other file is a ValueError naming it (and
+        the field at fault), before anything compiles with it."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: not a step-cost JSON file ({e})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a step-cost file holds a JSON object of its fields, not "
+                             f"a {type(data).__name__}")  # fmt: skip
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = set(data) - set(fields)
         if unknown:
             raise ValueError(f"{path}: unknown step-cost fields {sorted(unknown)}")
-        data["residuals"] = tuple(tuple(r) for r in data.get("residuals", ()))
+        missing = [n for n, f in fields.items()
+                   if f.default is dataclasses.MISSING and n not in data]  # fmt: skip
+        if missing:
+            raise ValueError(f"{path}: step-cost fields {missing} are missing")
+
+        def number(value) -> bool:
+            return (not isinstance(value, bool) and isinstance(value, (int, float))
+                    and math.isfinite(value) and value >= 0)  # fmt: skip
+
+        for name, value in data.items():
+            if name != "residuals" and not number(value):
+                raise ValueError(f"{path}: step-cost field {name} must be a finite number "
+                                 f">= 0, not {value!r}")  # fmt: skip
+        residuals = data.get("residuals", [])
+        if not isinstance(residuals, list) or not all(
+            isinstance(r, list) and len(r) == 3 and all(map(number, r)) for r in residuals
+        ):
+            raise ValueError(f"{path}: step-cost field residuals must be a list of [batch, "
+                             f"tokens, ratio] numbers, not {residuals!r}")  # fmt: skip
+        data["residuals"] = tuple(tuple(r) for r in residuals)
         return cls(**data)

@@ -217,7 +217,11 @@ def _mesh(sharding: Sharding | None) -> str | None:
 
 def check_pair(target: Target, drafter: Drafter, block_size=None) -> int:
     """Raise if drafter and target do not fit together; return the block size to run."""
-    t, d = target.cfg, drafter.cfg
+    return check_pair_configs(target.cfg, drafter.cfg, block_size)
+
+
+def check_pair_configs(t, d, block_size=None) -> int:
+    """check_pair on the configs alone (a ModelConfig, a DrafterConfig): no weights needed."""
     if d.layers.hidden_size != t.hidden_size:
         raise ValueError(
             f"drafter hidden size {d.layers.hidden_size} does not match the target's "

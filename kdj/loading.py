@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from flax import nnx
@@ -23,11 +24,19 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 BUILTIN_DRAFTERS = ("smollm2-135m-dflash-b16",)
 
 
+def source_type(source, what: str) -> None:
+    """A checkpoint is named by a path or a name: anything else is a TypeError saying so."""
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"the {what} must be a path or a built-in name (a str or a Path), not "
+                        f"{type(source).__name__}")  # fmt: skip
+
+
 def target_path(source) -> Path:
     """The file or dir of the target `source` (a path or built-in name); FileNotFoundError
     saying what it may be when there is none (the CLI checks this before loading anything)."""
     if str(source) in BUILTIN_TARGETS:
         return smollm2_gguf_path()
+    source_type(source, "target")
     path = Path(source)
     if not path.exists():
         raise FileNotFoundError(
@@ -39,6 +48,7 @@ def target_path(source) -> Path:
 
 def drafter_path(source) -> Path:
     """Where the drafter `source` (a checkpoint dir or built-in name) is, as `target_path`."""
+    source_type(source, "drafter")
     path = Path(source)
     if str(source) in BUILTIN_DRAFTERS and not path.exists():
         path = ASSETS / str(source)

@@ -394,6 +394,10 @@ def test_auto_default_menu_and_bad_menus(tmp_path):
     with pytest.raises(ValueError, match="cost applies to method 'auto' with a drafter, not "
                        "'ddtree'"):  # fmt: skip
         kdj.generate(target, prompts, drafter=drafter, method="ddtree", cost="estimate")
+    for given in (-5, "x"):  # plain decoding has no forecast to calibrate
+        with pytest.raises(ValueError, match="calibration applies to method 'dflash' or "
+                           "'ddtree' or 'auto' with a drafter, not 'ar'"):  # fmt: skip
+            kdj.generate(target, prompts, drafter=drafter, method="ar", calibration=given)
 
 
 def test_calibration_changes_only_the_forecast_and_is_saved_with_the_drafter(tmp_path):

@@ -578,17 +578,17 @@ def test_generate_keeps_its_promises_or_says_why(target, drafter, args, corrupt)
 @pytest.mark.parametrize(
     "edit, msg",
     [({"model_type": "gpt5"}, "model_type 'gpt5' is not supported.*qwen3"),
-     ({"block_size": 0}, "block_size must be an integer >= 2 .got 0"),
-     ({"block_size": 1.5}, "block_size must be an integer >= 2"),
+     ({"block_size": 0}, "'block_size' must be an integer >= 2 .got 0"),
+     ({"block_size": 1.5}, "'block_size' must be an integer >= 2"),
      ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer"),
      ({"hidden_size": "64"}, "hidden_size must be a positive integer"),
-     ({"num_target_layers": 0}, "num_target_layers must be an integer >= 1"),
+     ({"num_target_layers": 0}, "'num_target_layers' must be an integer >= 1"),
      ({"dflash_config": {"mask_token_id": -1, "target_layer_ids": [0, 1]}},
-      "mask_token_id must be an integer >= 0"),
+      "'mask_token_id' must be an integer >= 0"),
      ({"dflash_config": {"mask_token_id": 3, "target_layer_ids": []}},
       "target_layer_ids is empty"),
      ({"dflash_config": {"mask_token_id": 3, "target_layer_ids": [0, "1"]}},
-      "target_layer_ids entry must be an integer")],
+      "each 'target_layer_ids' entry must be an integer")],
 )  # fmt: skip
 def test_drafter_config_is_checked_at_load(target, drafter, tmp_path, edit, msg):
     drafter.save(tmp_path / "d")
@@ -632,6 +632,32 @@ def test_tokenizer_argument_is_a_loaded_tokenizer(target):
 def test_cost_names_its_choices(target, drafter, cost, error, msg):
     with pytest.raises(error, match=msg):
         kdj.generate(target, [[1, 2]], drafter=drafter, cost=cost)
+
+
+@pytest.mark.parametrize(
+    "text, msg",
+    [("{}", r"step-cost fields \['dense_bytes', .*\] are missing"),
+     (b"\xcc\x01", "not a step-cost JSON file"),
+     ("[1, 2]", "a step-cost file holds a JSON object of its fields, not a list"),
+     ("dense_bytes: lots", "not a step-cost JSON file"),
+     ({"dense_bytes": "lots"}, "field dense_bytes must be a finite number >= 0, not 'lots'"),
+     ({"fixed_s": -1.0}, "step-cost field fixed_s must be a finite number >= 0"),
+     ({"residuals": [[1, 16]]}, "step-cost field residuals must be a list of .batch, tokens")],
+)  # fmt: skip
+def test_a_bad_cost_file_is_named_before_anything_runs(target, drafter, tmp_path, text, msg):
+    """auto's cost= file is read when generate's arguments are checked: a file that is not a
+    step cost names itself and its field, not a dataclass's or a codec's internals."""
+    import dataclasses
+
+    from kdj.cost import StepCost
+
+    path = tmp_path / "cost.json"
+    if isinstance(text, dict):
+        good = dataclasses.asdict(StepCost.for_config(target.cfg))
+        text = json.dumps(good | text)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ValueError, match=f"{path}: .*{msg}"):
+        kdj.generate(target, [[1, 2]], drafter=drafter, method="auto", cost=str(path))
 
 
 @pytest.mark.parametrize(
@@ -868,3 +894,19 @@ def test_a_wrong_kind_of_target_or_drafter_is_named_before_anything_loads(monkey
         main(["serve", "--config", str(tmp_path / "run.yaml")])
     with pytest.raises(SystemExit, match="kdj tune: README.md is a file"):
         main(["tune", "--drafter", "README.md"])
+    with pytest.raises(SystemExit, match=r"kdj tune: --context 9000 exceeds the model's "
+                       r"max_position_embeddings \(8192\)"):  # fmt: skip
+        main(["tune", "--drafter", asset, "--context", "9000"])
+
+
+def test_no_prompt_rows_and_no_checkpoint_name_are_said_plainly(target, drafter):
+    """An empty 2-D batch of ids is "no prompts", and a checkpoint named by None (or any
+    non-path) is a TypeError saying what names one, not a pathlib or builtins message."""
+    with pytest.raises(ValueError, match=r"no prompts given \(an array of shape \(0, 3\)\)"):
+        kdj.generate(target, np.zeros((0, 3), np.int32), method="ar", max_new_tokens=2)
+    with pytest.raises(ValueError, match="no prompts given"):
+        kdj.generate(target, np.zeros((2, 0), np.int32), method="ar", max_new_tokens=2)
+    for load, what in ((kdj.load_target, "target"), (kdj.load_drafter, "drafter")):
+        for source in (None, 3):
+            with pytest.raises(TypeError, match=f"the {what} must be a path or a built-in name"):
+                load(source)

@@ -164,7 +164,7 @@ def test_a_config_of_another_command_says_whose_it_is(no_loading):
     with pytest.raises(SystemExit, match=r"unknown keys .*reads as a training YAML \(kdj "
                        "train-drafter --config\\)"):  # fmt: skip
         main(["generate", "--config", "configs/train/smollm2-b16.yaml"])
-    with pytest.raises(SystemExit, match="reads as a mesh YAML"):
+    with pytest.raises(SystemExit, match=r"reads as a mesh YAML \(kdj.load_target\(mesh="):
         main(["generate", "--config", "configs/meshes/single.yaml"])
     with pytest.raises(SystemExit, match="reads as a run YAML .kdj generate / serve --config"):
         main(["train-drafter", "--config", "configs/runs/smollm2.yaml"])
@@ -403,6 +403,32 @@ def test_eval_acceptance_out_is_checked_before_any_model_loads(no_loading, tmp_p
               str(tmp_path / "file")])  # fmt: skip
 
 
+def test_eval_acceptance_replaces_only_its_own_earlier_report(no_loading, tmp_path):
+    """--out's acceptance.json / .png replace an earlier report only: a user's file of that
+    name, a plot with no report beside it, or the --prompts file itself is refused before
+    any model loads."""
+    import json
+
+    base = ["eval-acceptance", "--drafter", "smollm2-135m-dflash-b16", "--out"]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "acceptance.json").write_text('{"my": "hand-written results"}')
+    with pytest.raises(SystemExit, match="acceptance.json exists and is not an earlier"):
+        main([*base, str(mine)])
+    plot = tmp_path / "plot"
+    plot.mkdir()
+    (plot / "acceptance.png").write_bytes(b"\x89PNG")
+    with pytest.raises(SystemExit, match="acceptance.png exists with no report beside it"):
+        main([*base, str(plot)])
+    prompts = tmp_path / "acceptance.json"
+    prompts.write_text(json.dumps({"sharegpt": ["hi"]}))
+    with pytest.raises(SystemExit, match="is the --prompts file: writing there would overwrite"):
+        main([*base, str(tmp_path), "--prompts", str(prompts)])
+    (mine / "acceptance.json").write_text(json.dumps({"meta": {}, "results": {}}))
+    with pytest.raises(AssertionError, match="a model was loaded"):  # an earlier report: on
+        main([*base, str(mine), "--prompts", str(prompts)])
+
+
 def test_method_flag_over_a_run_yaml_drops_what_it_does_not_use(capsys):
     """The README's comparison: the DFlash run YAML decoded plainly with --method ar."""
     argv = ["generate", "--config", "configs/runs/smollm2-dflash.yaml", "--method", "ar",
@@ -553,3 +579,71 @@ def test_generate_logprobs_give_a_split_character_to_the_token_that_completes_it
     print_logprobs(tok, ids, [TokenLogprob(-1.0, [(t, -1.0)]) for t in ids], 0)
     pieces = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]]
     assert "".join(map(ast.literal_eval, pieces)) == "日本" and "\ufffd" not in "".join(pieces)
+
+
+def test_train_drafter_keeps_out_of_folders_it_did_not_make(monkeypatch, tmp_path):
+    """--out-dir: a folder of a user's files is not written into; an earlier run's folder
+    whose checkpoints hold another drafter is refused before anything in it changes; one
+    whose run left no checkpoints, or checkpoints of this drafter (a later call continues
+    them), is taken, and the fields that only choose the first weights may differ."""
+    import json
+
+    import kdj.train.loop
+    from kdj.train.config import TrainConfig
+
+    yaml = "configs/train/smollm2-b16.yaml"
+    monkeypatch.setattr(kdj.train.loop, "run_training", lambda cfg: None)
+    args = ["train-drafter", "--config", yaml, "--out-dir"]
+    mine = tmp_path / "mine"
+    (mine / "drafter").mkdir(parents=True)
+    (mine / "drafter" / "config.json").write_text("{}")
+    with pytest.raises(SystemExit, match="mine holds files but no train_config.json"):
+        main([*args, str(mine)])
+    run = tmp_path / "run"
+    run.mkdir()
+    record = run / "train_config.json"
+    record.write_text(json.dumps(TrainConfig.from_yaml(yaml).to_dict()))
+    assert main([*args, str(run), "--num-layers", "3"]) == 0  # no checkpoints to restore
+    (run / "checkpoints").mkdir()
+    before = record.read_text()
+    with pytest.raises(SystemExit, match=r"run holds a run of another drafter "
+                       r"\(drafter.num_layers: 4 there, 3 here\)"):  # fmt: skip
+        main([*args, str(run), "--num-layers", "3"])
+    assert record.read_text() == before
+    assert main([*args, str(run), "--init-from", ""]) == 0
+    record.write_text("[1, 2]")
+    with pytest.raises(SystemExit, match="is not a train_config.json kdj wrote"):
+        main([*args, str(run)])
+
+
+def test_running_out_of_device_memory_is_one_line(monkeypatch, tmp_path):
+    """XLA's out-of-memory error ends a command in one line naming what to make smaller,
+    not in its traceback; any other error still raises."""
+    import kdj.train.loop
+
+    def oom(cfg):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 68089000576 bytes.\n"
+                           "Traceback of the allocator ...")  # fmt: skip
+
+    monkeypatch.setattr(kdj.train.loop, "run_training", oom)
+    args = ["train-drafter", "--config", "configs/train/smollm2-b16.yaml", "--out-dir"]
+    with pytest.raises(SystemExit) as e:
+        main([*args, str(tmp_path / "o")])
+    said = str(e.value)
+    assert said.startswith("kdj train-drafter: the device ran out of memory (RESOURCE_EXHAUSTED")
+    assert "optim.batch_size" in said and "allocator" not in said
+    monkeypatch.setattr(kdj.train.loop, "run_training", lambda cfg: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        main([*args, str(tmp_path / "o")])
+
+
+def test_flags_stand_for_api_names_only():
+    """as_flags: an API name becomes its flag; a quoted key of a file and a call written out
+    with its arguments stay as written."""
+    from kdj.cli import as_flags
+
+    flags = {"block_size": "--block-size", "kdj.load_target": "--target"}
+    said = as_flags("block_size must be >= 2; 'block_size' in d/config.json; load it with "
+                    "kdj.load_target(mesh=...) or pass kdj.load_target", flags)  # fmt: skip
+    assert said == ("--block-size must be >= 2; 'block_size' in d/config.json; load it with "
+                    "kdj.load_target(mesh=...) or pass --target")  # fmt: skip

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import importlib.util
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -837,7 +838,9 @@ def data_cfg(tmp_path, sharegpt, **data):
     from kdj.train.config import DataConfig, TrainConfig
 
     base = dict(sharegpt=str(sharegpt), max_prompt_tokens=64, cache_dir=str(tmp_path / "d"))
-    return TrainConfig(out_dir=str(tmp_path / "run"), data=DataConfig(**(base | data)))
+    shape = DrafterShape(num_layers=2, block_size=BLOCK, mask_token_id=VOCAB - 1)
+    return TrainConfig(out_dir=str(tmp_path / "run"), drafter=shape,
+                       data=DataConfig(**(base | data)))  # fmt: skip
 
 
 def test_all_turns_keep_the_split_rule(tmp_path):
@@ -1004,6 +1007,69 @@ def test_run_training_passes_the_data_options(target, tmp_path, monkeypatch):
         run_training(cfg, log=lambda *_: None)
     assert seen["turns"] == "all" and seen["samples_per_prompt"] == 3
     assert seen["temperature"] == 0.5 and len(seen["prompts"]) == sum(1 + i % 3 for i in range(30))
+
+
+@pytest.mark.parametrize("change, said", [
+    ({"target_layer_ids": [99]}, "target_layer_ids [99] reach outside the target's 3 layers"),
+    ({"mask_token_id": 999}, "mask_token_id 999 outside the target vocabulary"),
+    ({"num_heads": 3}, "drafter.num_heads 3 must be a multiple of num_kv_heads 2"),
+    ({"init_from": "smollm2-135m-dflash-b16"}, "drafter.init_from"),
+])  # fmt: skip
+def test_a_drafter_that_cannot_train_is_refused_before_the_data_is_made(
+    target, tmp_path, monkeypatch, change, said
+):
+    """Everything the drafter section says is checked against the target before the target
+    answers a prompt (hours on a GPU): regeneration never starts."""
+    import kdj.train.data as data
+    from kdj.train.loop import run_training
+
+    monkeypatch.setattr(kdj, "load_target", lambda *a, **k: dataclasses.replace(
+        target, tokenizer=RoleTokenizer()))  # fmt: skip
+    monkeypatch.setattr(data, "regenerate", lambda *a, **k: pytest.fail("regenerated"))
+    path = tmp_path / "sharegpt.json"
+    write_multiturn_sharegpt(path, 6)
+    cfg = data_cfg(tmp_path, path)
+    cfg.drafter = dataclasses.replace(cfg.drafter, **change)
+    with pytest.raises(ValueError, match=re.escape(said)):
+        run_training(cfg, log=lambda *_: None)
+
+
+def test_no_room_for_a_response_is_refused(target, tmp_path, monkeypatch):
+    """optim.max_len at or below every prompt's length would train on no token (a NaN loss
+    and an untrained drafter exported as done): refused before the data is made; a cache
+    whose responses are all cut off is refused before training."""
+    import kdj.train.data as data
+    from kdj.train.loop import run_training
+
+    monkeypatch.setattr(kdj, "load_target", lambda *a, **k: dataclasses.replace(
+        target, tokenizer=RoleTokenizer()))  # fmt: skip
+    monkeypatch.setattr(data, "regenerate", lambda *a, **k: pytest.fail("regenerated"))
+    path = tmp_path / "sharegpt.json"
+    write_multiturn_sharegpt(path, 6)
+    cfg = data_cfg(tmp_path, path)
+    cfg.optim = OptimConfig(max_len=6, anchors_per_seq=2)  # every "u:qN.M|a:" prompt is 9+
+    with pytest.raises(ValueError, match="optim.max_len 6 leaves no response token to train"):
+        run_training(cfg, log=lambda *_: None)
+    cfg.optim = OptimConfig(max_len=32, anchors_per_seq=2)
+    monkeypatch.setattr(data, "regenerate", lambda *a, **k: None)
+    empty = np.zeros((3, 32), np.int32)
+    monkeypatch.setattr(data, "load_cache", lambda *a: (empty, empty.astype(bool), None))
+    with pytest.raises(ValueError, match="no response tokens to train on"):
+        run_training(cfg, log=lambda *_: None)
+
+
+@pytest.mark.parametrize("change, said", [
+    ({"optim": {"compute_dtype": "float64"}}, "optim.compute_dtype must be one of"),
+    ({"optim": {"compute_dtype": "fp16"}}, "optim.compute_dtype must be one of"),
+    ({"target_dtype": "float16"}, "target_dtype must be one of float32, bfloat16, auto"),
+    ({"optim": {"anchors_per_seq": 2000}}, "optim.anchors_per_seq 2000 is more than"),
+    ({"drafter": {"block_size": 5000}}, "drafter.block_size 5000 is longer than"),
+])  # fmt: skip
+def test_training_config_sizes_and_dtypes_are_checked_when_read(change, said):
+    from kdj.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match=re.escape(said)):
+        TrainConfig.from_dict(change)
 
 
 def test_taps_come_in_the_order_asked(target):

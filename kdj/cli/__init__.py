@@ -44,14 +44,17 @@ def version() -> str:
 
 # Bad input the commands report in one line (the message names the problem and the fix).
 USER_ERRORS = (ValueError, TypeError, OSError, NotImplementedError)
+# what an out-of-memory error asks to shrink, unless the command's `sizes` says
+SIZES = "the batch, the context or the tokens asked for"
 
 
 def as_flags(message: str, flags: dict[str, str]) -> str:
     """A Python API message in the command's words: each API name (a parameter, a call) that
     stands for one of its flags becomes the flag (`flags`: name -> flag). A quoted name is a
-    key of a file or a request, named as written there, and stays."""
+    key of a file or a request, named as written there, and stays; so does a call written
+    out with its arguments (kdj.load_target(mesh=...)), which no flag spells."""
     for name, flag in flags.items():
-        message = re.sub(rf"(?<![\w.'\"-]){re.escape(name)}(?![\w'\"])", flag, message)
+        message = re.sub(rf"(?<![\w.'\"-]){re.escape(name)}(?![\w'\"(])", flag, message)
     return message
 
 
@@ -67,6 +70,13 @@ def main(argv=None) -> int:
         raise SystemExit(f"kdj {args.cmd}: {as_flags(str(e), getattr(args, 'flags', {}))}") from e
     except KeyboardInterrupt:
         raise SystemExit(f"kdj {args.cmd}: interrupted") from None  # Ctrl-C: no traceback
+    except Exception as e:  # XLA's out-of-memory error: one line, not its traceback
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        said = str(e).strip().splitlines()[0][:300]
+        raise SystemExit(f"kdj {args.cmd}: the device ran out of memory ({said}): this run "
+                         f"is too large for it; make {getattr(args, 'sizes', SIZES)} "
+                         "smaller") from None  # fmt: skip
     except SystemExit as e:  # a one-line exit of the command's own says whose it is too
         said = e.code
         if isinstance(said, str) and not said.startswith("kdj "):

@@ -66,6 +66,52 @@ def check_training(cfg, args) -> None:
         except (OSError, ValueError) as e:
             raise ValueError(f"{name}: {e}") from None
     values.output(cfg.out_dir, named("--out-dir", "out_dir"), folder=True)
+    check_out_dir(cfg, named("--out-dir", "out_dir"))
+
+
+# a drafter section's fields that only choose its first weights: a checkpoint restores
+# whatever they were
+START_FIELDS = ("init_from", "grow", "retap")
+
+
+def drafter_sections(record: dict) -> dict[str, dict]:
+    """A train_config's drafter sections by name: the run's and each online.compare entry's."""
+    compare = (record.get("online") or {}).get("compare") or {}
+    return {"drafter": record["drafter"],
+            **{f"online.compare.{n}": e["drafter"] for n, e in compare.items()}}  # fmt: skip
+
+
+def check_out_dir(cfg, name: str) -> None:
+    """out_dir is new, empty, or an earlier run's (its train_config.json, written first);
+    where that run left checkpoints, of this config's drafters (a later call continues
+    them). A folder of other files is not written into, and one whose checkpoints hold
+    another drafter is refused before anything in it changes."""
+    out = Path(cfg.out_dir)
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    record = out / "train_config.json"
+    if not record.is_file():
+        raise ValueError(f"{name} {out} holds files but no train_config.json, so it is no "
+                         "kdj training run's folder: training writes drafter/, checkpoints/, "
+                         "summary.json and more into it; give a new or empty folder")  # fmt: skip
+    try:
+        shapes = drafter_sections(json.loads(record.read_text()))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+        raise ValueError(f"{record} is not a train_config.json kdj wrote; give a new or empty "
+                         f"{name}") from None  # fmt: skip
+    wanted = drafter_sections(cfg.to_dict())
+    differ = []
+    for section in sorted(set(shapes) & set(wanted)):
+        folder = out / section.removeprefix("online.compare.") if "." in section else out
+        if not (folder / "checkpoints").is_dir():  # nothing there to restore
+            continue
+        a, b = shapes[section], wanted[section]
+        differ += [f"{section}.{k}: {a.get(k)!r} there, {b[k]!r} here" for k in b
+                   if k not in START_FIELDS and a.get(k) != b[k]]  # fmt: skip
+    if differ:
+        raise ValueError(f"{name} {out} holds a run of another drafter ({'; '.join(differ)}): "
+                         "its checkpoints would not restore into this one; give another "
+                         f"{name}, or delete {out} to start afresh there")  # fmt: skip
 
 
 def cmd_eval_acceptance(args) -> int:
@@ -80,6 +126,9 @@ def cmd_eval_acceptance(args) -> int:
     named = drafter_labels(args.drafter)
     check_sources(args.target, *named.values())
     values.output(args.out, "--out", folder=True)  # checked before the runs, not after
+    for folder in ([Path(args.out) / label for label in named] if len(named) > 1
+                   else [Path(args.out)]):  # fmt: skip
+        check_report_files(folder, args.prompts)
     if args.prompts:  # eval_prompts.json written by train-drafter: no dataset packages needed
         texts = eval_prompts(args.prompts, args.datasets)
     else:
@@ -118,6 +167,28 @@ def cmd_eval_acceptance(args) -> int:
         print(f"{label}: wrote {js} and {png}")
     print(evaluate.compare_table(reports))  # tau (speedup over AR): DFlash, each DDTree budget
     return 0
+
+
+def check_report_files(folder: Path, prompts: str | None) -> None:
+    """eval-acceptance writes acceptance.json and acceptance.png into `folder`: each may
+    replace only an earlier report (a JSON of its "meta" and "results", the plot beside
+    it), never a user's file or the --prompts file it reads."""
+    js, png = folder / "acceptance.json", folder / "acceptance.png"
+    values.output(str(js), "--out", inputs={"--prompts": prompts})
+    if js.exists():
+        try:
+            earlier = json.loads(js.read_text())
+            ours = isinstance(earlier, dict) and set(earlier) == {"meta", "results"}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            ours = False
+        if not ours:
+            raise ValueError(f"--out {folder}: {js} exists and is not an earlier "
+                             "eval-acceptance report, which it would replace; move it or "
+                             "choose another --out")  # fmt: skip
+    elif png.exists():
+        raise ValueError(f"--out {folder}: {png} exists with no report beside it (not an "
+                         "earlier run's), which this run would replace; move it or choose "
+                         "another --out")  # fmt: skip
 
 
 def eval_prompts(path: str, datasets: list[str]) -> dict[str, list[str]]:
@@ -173,6 +244,10 @@ def cmd_tune(args) -> int:
     check_sources(args.target, args.drafter)
     shapes = auto.parse_menu("auto", args.menu, drafter_config(args.drafter).block_size, None)
     target = kdj.load_target(args.target, dtype=dtype_name(args.dtype))
+    most = target.cfg.max_position_embeddings
+    if args.context > most:  # a cost timed there would price contexts no run can have
+        raise ValueError(f"--context {args.context} exceeds the model's "
+                         f"max_position_embeddings ({most})")  # fmt: skip
     drafter = kdj.load_drafter(args.drafter, target=target)
     for batch in args.batch:
         _, timings, path = tune.tune(target, drafter, shapes, batch, args.context)
@@ -252,7 +327,8 @@ def add_parsers(sub) -> None:
         "<out_dir>/resume/resume.json) to continue its weights, optimiser and schedule "
         "(default: the config's, none starts fresh)",
     )
-    t.set_defaults(fn=cmd_train_drafter)
+    t.set_defaults(fn=cmd_train_drafter, sizes="optim.batch_size, optim.anchors_per_seq, "
+                   "optim.max_len, optim.head_chunk or data.gen_batch_size")  # fmt: skip
     e = sub.add_parser("eval-acceptance", help="tau and speed of DFlash / DDTree vs AR")
     e.add_argument("--drafter", required=True, nargs="+",
                    help="DFlash drafter dir or built-in name; several (NAME=SOURCE to label "
@@ -335,4 +411,4 @@ def add_parsers(sub) -> None:
     u.add_argument("--batch", type=values.POSITIVE, nargs="+", default=[1], help="batch sizes" + d)
     u.add_argument("--context", type=values.integer(2), default=256, help="tokens per sequence" + d)
     u.add_argument("--menu", nargs="+", default=None, help="auto's menu (default: its own)")
-    u.set_defaults(fn=cmd_tune, flags={**FLAGS, "menu": "--menu"})
+    u.set_defaults(fn=cmd_tune, flags={**FLAGS, "menu": "--menu"}, sizes="--context or --batch")

@@ -64,7 +64,7 @@ class DrafterConfig:
         if not ids:
             raise ValueError("target_layer_ids is empty: the drafter needs at least one tap")
         for i in ids:
-            _check_int("a target_layer_ids entry", i, 0)
+            _check_int("target_layer_ids", i, 0, entry=True)
         if len(set(ids)) != len(ids):
             raise ValueError(f"target_layer_ids {ids} repeat a layer (a {L}-layer target is too "
                              "shallow for this many distinct taps at the default spacing: "
@@ -86,10 +86,13 @@ class DrafterConfig:
         return None
 
 
-def _check_int(name: str, value, minimum: int) -> None:
+def _check_int(name: str, value, minimum: int, entry: bool = False) -> None:
+    """The field `name` (quoted: a key of a config file, never a command's flag) or, with
+    `entry`, each of its entries is an integer >= minimum."""
     ok = not isinstance(value, bool) and hasattr(value, "__index__") and value >= minimum
     if not ok:
-        raise ValueError(f"drafter {name} must be an integer >= {minimum} (got {value!r})")
+        what = f"each '{name}' entry" if entry else f"'{name}'"
+        raise ValueError(f"drafter {what} must be an integer >= {minimum} (got {value!r})")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:

@@ -297,6 +297,28 @@ def _said(kind: str, name: str) -> str:
     return {"str": "a non-empty string"}.get(kind, f"a {kind.split('[')[0]}")
 
 
+def check_sizes(cfg: TrainConfig) -> None:
+    """The dtypes are ones kdj runs, and the sizes that share a training sequence fit in it
+    (optim.max_len tokens): each anchor is a position of it, each block follows one."""
+    from kdj.arguments import DTYPES
+
+    for where, value, also in (("target_dtype", cfg.target_dtype, ("auto",)),
+                               ("optim.compute_dtype", cfg.optim.compute_dtype, ())):  # fmt: skip
+        if value not in DTYPES + also:
+            raise ValueError(f"{where} must be one of {', '.join(DTYPES + also)}, not {value!r}")
+    o = cfg.optim
+    blocks = [("drafter", cfg.drafter)]
+    blocks += [(f"online.compare.{n}", e.drafter) for n, e in (cfg.online.compare if cfg.online
+                                                               else {}).items()]  # fmt: skip
+    for section, shape in blocks:
+        if shape.block_size > o.max_len:
+            raise ValueError(f"{section}.block_size {shape.block_size} is longer than a training "
+                             f"sequence (optim.max_len {o.max_len})")  # fmt: skip
+    if o.anchors_per_seq > o.max_len:
+        raise ValueError(f"optim.anchors_per_seq {o.anchors_per_seq} is more than the positions "
+                         f"of a training sequence (optim.max_len {o.max_len})")  # fmt: skip
+
+
 @dataclass
 class TrainConfig:
     target: str = "smollm2-135m-instruct"
@@ -348,6 +370,7 @@ class TrainConfig:
                 kw[key] = value
         check_fields(TrainConfig, {k: v for k, v in d.items() if k not in sections}, "")
         cfg = TrainConfig(**kw)
+        check_sizes(cfg)
         if cfg.data.num_conversations > 16_000:
             raise ValueError("the split rule allows training on the first 16,000 conversations")
         on = cfg.online

@@ -70,6 +70,18 @@ def _check_prompt_settings(npz: Path, cached: dict | None, asked: dict) -> None:
         )
 
 
+def check_room(prompts: list[list[int]], cfg: TrainConfig) -> None:
+    """Training sequences are cut to optim.max_len tokens, prompt first: some prompt must
+    leave room for its response, else no token would train (refused before the target
+    answers them)."""
+    shortest = min(map(len, prompts), default=0)
+    if prompts and shortest >= cfg.optim.max_len:
+        raise ValueError(f"optim.max_len {cfg.optim.max_len} leaves no response token to "
+                         f"train on: the shortest training prompt is {shortest} tokens (at "
+                         f"most data.max_prompt_tokens {cfg.data.max_prompt_tokens}); raise "
+                         "optim.max_len above the prompts' length")  # fmt: skip
+
+
 def prepare_prompts(cfg: TrainConfig, tokenizer) -> tuple[list[list[int]], list[int], dict]:
     """Tokenised training prompts and held-out evaluation texts, cached in the data folder
     (prompts.npz, eval_prompts.json) so later runs need neither the dataset packages nor the
@@ -155,6 +167,15 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     target = kdj.load_target(cfg.target, dtype=cfg.target_dtype, mesh=cfg.mesh)
     tok = target.tokenizer
     prompts, conv, evals = prepare_prompts(cfg, tok)
+    check_room(prompts, cfg)
+    # the drafter (its shape against the target, init_from's weights) fails here, not after
+    # the regeneration: it trains on the data once that is made
+    dcfg = drafter_config_for(target.cfg, cfg.drafter)
+    init_from = cfg.drafter.init_from
+    empty = np.zeros((1, cfg.optim.max_len), np.int32)
+    trainer = DrafterTrainer(target, dcfg, cfg.optim, empty, empty.astype(bool), out,
+                             init_from=init_from, grow=cfg.drafter.grow,
+                             retap=cfg.drafter.retap)  # fmt: skip
     t0 = time.perf_counter()
     regenerate(
         target,
@@ -177,10 +198,10 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
         f"regeneration {gen_s:.0f} s"
     )
 
-    dcfg = drafter_config_for(target.cfg, cfg.drafter)
-    init_from = cfg.drafter.init_from
-    trainer = DrafterTrainer(target, dcfg, cfg.optim, tokens, mask, out, init_from=init_from,
-                             grow=cfg.drafter.grow, retap=cfg.drafter.retap)  # fmt: skip
+    if not mask.any():
+        raise ValueError(f"no response tokens to train on in {cfg.cache_dir}: every response "
+                         f"is empty or cut off by optim.max_len {cfg.optim.max_len}")  # fmt: skip
+    trainer.set_data(tokens, mask, start=0)  # epochs count from step 0, resumed or not
     eval_prompts = chat_prompts(
         tok, evals["sharegpt"][: cfg.eval.num_prompts], cfg.data.max_prompt_tokens
     )

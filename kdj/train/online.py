@@ -37,7 +37,7 @@ import numpy as np
 
 from kdj.train.config import OnlineConfig
 from kdj.train.data import chat_prompt_ids, respond
-from kdj.train.loop import chat_prompts, held_out_tau, prepare_prompts
+from kdj.train.loop import chat_prompts, check_room, held_out_tau, prepare_prompts
 from kdj.train.resume import read_bundle, restore_trainers, write_bundle
 from kdj.train.trainer import DrafterTrainer, drafter_config_for
 
@@ -207,6 +207,7 @@ def run_online(cfg, log=print) -> dict:
     (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     target = kdj.load_target(cfg.target, dtype=cfg.target_dtype, mesh=cfg.mesh)
     turns, _, evals = prepare_prompts(cfg, target.tokenizer)
+    check_room(turns, cfg)
     capacity = -(-(cfg.data.max_prompt_tokens + cfg.data.max_response_tokens) // 128) * 128
 
     if state_path.exists():  # a later call of the same window: resume with the checkpoint

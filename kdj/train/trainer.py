@@ -28,7 +28,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from kdj.handles import Drafter
+from kdj.handles import Drafter, check_pair_configs
 from kdj.loading import load_drafter
 from kdj.models.dflash2 import DFlash2Config
 from kdj.models.drafter import DrafterConfig, build_drafter, default_target_layer_ids
@@ -42,13 +42,17 @@ def drafter_config_for(target_cfg, shape: DrafterShape) -> DrafterConfig:
     t = target_cfg
     ids = shape.target_layer_ids or default_target_layer_ids(t.num_layers, shape.num_layers)
     heads = shape.num_heads or t.num_heads
+    kv_heads = shape.num_kv_heads or t.num_kv_heads or heads
+    if heads % kv_heads:  # GQA: each key/value head serves a whole group of query heads
+        raise ValueError(f"drafter.num_heads {heads} must be a multiple of num_kv_heads "
+                         f"{kv_heads} (drafter.num_kv_heads, else the target's)")  # fmt: skip
     layers = t.replace(
         family="llama",
         model_type="qwen3",
         num_layers=shape.num_layers,
         qk_norm=True,
         num_heads=heads,
-        num_kv_heads=shape.num_kv_heads or t.num_kv_heads or heads,
+        num_kv_heads=kv_heads,
         head_dim=shape.head_dim or t.head_dim or t.hidden_size // heads,
         intermediate_size=shape.intermediate_size or t.intermediate_size,
         qkv_bias=False,
@@ -296,6 +300,10 @@ class DrafterTrainer:
         grow: bool = False,
         retap: bool = False,
     ):
+        try:  # the target and the drafter fit, said before a weight is made
+            check_pair_configs(target.cfg, drafter_cfg)
+        except ValueError as e:
+            raise ValueError(f"the drafter section: {e}") from None
         if optim.selector_weight is not None and drafter_cfg.dflash2 is None:
             raise ValueError(f"optim.selector_weight {optim.selector_weight} is set, but this "
                              "drafter is a DFlash drafter (no drafter.dflash2 section): it has "
@@ -344,11 +352,12 @@ class DrafterTrainer:
         return tokens, mask, anchors, ok
 
     # ------------------------------------------------------------------ steps
-    def set_data(self, tokens, loss_mask) -> None:
-        """Train on new sequences from the current step on (online distillation): batches
-        then walk a fresh permutation of these rows, each row once per pass."""
+    def set_data(self, tokens, loss_mask, start: int | None = None) -> None:
+        """Train on new sequences from step `start` on (default: the current step; online
+        distillation): batches then walk a fresh permutation of these rows, each row once
+        per pass, its epochs counted from `start`."""
         self.tokens, self.loss_mask = np.asarray(tokens, np.int32), np.asarray(loss_mask, bool)
-        self.data_start = self.step
+        self.data_start = self.step if start is None else start
 
     def train_step(self) -> dict:
         """One optimiser step. The metrics stay on the device (scalars): reading them is a
