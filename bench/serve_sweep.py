@@ -90,7 +90,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-ceiling-pool",
         action="store_true",
-        help="the ceiling runs kdj.generate only, not the server's pool in-process",
+        help="the ceiling runs kdj.generate (and the prefill) only, not the server's pool "
+        "in-process",
     )
     p.add_argument("--profile", help="a folder for cProfiles of the ceiling's in-process pool")
     p.add_argument("--max-batch", type=int, help="slots (default: the largest concurrency)")

@@ -589,6 +589,7 @@ def test_train_drafter_keeps_out_of_folders_it_did_not_make(monkeypatch, tmp_pat
     import json
 
     import kdj.train.loop
+    from kdj.checkpoints.gguf import smollm2_gguf_path
     from kdj.train.config import TrainConfig
 
     yaml = "configs/train/smollm2-b16.yaml"
@@ -597,8 +598,12 @@ def test_train_drafter_keeps_out_of_folders_it_did_not_make(monkeypatch, tmp_pat
     mine = tmp_path / "mine"
     (mine / "drafter").mkdir(parents=True)
     (mine / "drafter" / "config.json").write_text("{}")
-    with pytest.raises(SystemExit, match="mine holds files but no train_config.json"):
+    with pytest.raises(SystemExit, match=r"mine holds files \(drafter\) and no train_config"):
         main([*args, str(mine)])
+    carried = tmp_path / "carried"  # a data cache and a resume bundle carried in: kdj's own
+    for part in ("data", "resume", ".gitkeep"):
+        (carried / part).mkdir(parents=True)
+    assert main([*args, str(carried)]) == 0
     run = tmp_path / "run"
     run.mkdir()
     record = run / "train_config.json"
@@ -606,9 +611,11 @@ def test_train_drafter_keeps_out_of_folders_it_did_not_make(monkeypatch, tmp_pat
     assert main([*args, str(run), "--num-layers", "3"]) == 0  # no checkpoints to restore
     (run / "checkpoints").mkdir()
     before = record.read_text()
-    with pytest.raises(SystemExit, match=r"run holds a run of another drafter "
+    with pytest.raises(SystemExit, match=r"run holds the checkpoints of another drafter "
                        r"\(drafter.num_layers: 4 there, 3 here\)"):  # fmt: skip
         main([*args, str(run), "--num-layers", "3"])
+    with pytest.raises(SystemExit, match=r"drafter.target: 'smollm2-135m-instruct' there"):
+        main([*args, str(run), "--target", str(smollm2_gguf_path())])
     assert record.read_text() == before
     assert main([*args, str(run), "--init-from", ""]) == 0
     record.write_text("[1, 2]")

@@ -75,25 +75,37 @@ START_FIELDS = ("init_from", "grow", "retap")
 
 
 def drafter_sections(record: dict) -> dict[str, dict]:
-    """A train_config's drafter sections by name: the run's and each online.compare entry's."""
+    """A train_config's drafters by name, each with the target it trains against: the run's
+    and each online.compare entry's (an entry recorded before it had an optim part is its
+    drafter section itself)."""
     compare = (record.get("online") or {}).get("compare") or {}
-    return {"drafter": record["drafter"],
-            **{f"online.compare.{n}": e["drafter"] for n, e in compare.items()}}  # fmt: skip
+    sections = {"drafter": record["drafter"]}
+    sections.update({f"online.compare.{n}": e.get("drafter", e) for n, e in compare.items()})
+    return {k: dict(v, target=record.get("target")) for k, v in sections.items()}
 
 
 def check_out_dir(cfg, name: str) -> None:
     """out_dir is new, empty, or an earlier run's (its train_config.json, written first);
-    where that run left checkpoints, of this config's drafters (a later call continues
-    them). A folder of other files is not written into, and one whose checkpoints hold
-    another drafter is refused before anything in it changes."""
+    where that run left checkpoints, of this config's drafters and target (a later call
+    continues them). A folder of other files is not written into (what kdj reads there may
+    be: the data cache, a resume bundle), and one whose checkpoints hold another drafter is
+    refused before anything in it changes."""
     out = Path(cfg.out_dir)
-    if not out.is_dir() or not any(out.iterdir()):
+    if not out.is_dir():
         return
     record = out / "train_config.json"
     if not record.is_file():
-        raise ValueError(f"{name} {out} holds files but no train_config.json, so it is no "
-                         "kdj training run's folder: training writes drafter/, checkpoints/, "
-                         "summary.json and more into it; give a new or empty folder")  # fmt: skip
+        ours = {"resume"} | ({cfg.cache_dir.parts[len(out.parts)]}
+                             if cfg.cache_dir.is_relative_to(out) and cfg.cache_dir != out
+                             else set())  # fmt: skip
+        other = sorted(p.name for p in out.iterdir()
+                       if p.name not in ours and not p.name.startswith("."))  # fmt: skip
+        if other:
+            raise ValueError(f"{name} {out} holds files ({', '.join(other[:4])}) and no "
+                             "train_config.json, so it is no kdj training run's folder: "
+                             "training writes drafter/, checkpoints/, summary.json and more "
+                             "into it; give a new or empty folder")  # fmt: skip
+        return
     try:
         shapes = drafter_sections(json.loads(record.read_text()))
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
@@ -103,15 +115,15 @@ def check_out_dir(cfg, name: str) -> None:
     differ = []
     for section in sorted(set(shapes) & set(wanted)):
         folder = out / section.removeprefix("online.compare.") if "." in section else out
-        if not (folder / "checkpoints").is_dir():  # nothing there to restore
+        if not (folder / "checkpoints").is_dir():  # nothing there to continue
             continue
         a, b = shapes[section], wanted[section]
         differ += [f"{section}.{k}: {a.get(k)!r} there, {b[k]!r} here" for k in b
                    if k not in START_FIELDS and a.get(k) != b[k]]  # fmt: skip
     if differ:
-        raise ValueError(f"{name} {out} holds a run of another drafter ({'; '.join(differ)}): "
-                         "its checkpoints would not restore into this one; give another "
-                         f"{name}, or delete {out} to start afresh there")  # fmt: skip
+        raise ValueError(f"{name} {out} holds the checkpoints of another drafter "
+                         f"({'; '.join(differ)}), which this run would continue; give "
+                         f"another {name}, or delete {out} to start afresh there")  # fmt: skip
 
 
 def cmd_eval_acceptance(args) -> int:

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from kdj.train.config import TrainConfig
 from kdj.train.data import settings_diff
-from kdj.train.trainer import DrafterTrainer, drafter_config_for
+from kdj.train.trainer import DrafterTrainer, check_drafter, drafter_config_for
 
 
 def held_out_tau(
@@ -168,14 +168,10 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     tok = target.tokenizer
     prompts, conv, evals = prepare_prompts(cfg, tok)
     check_room(prompts, cfg)
-    # the drafter (its shape against the target, init_from's weights) fails here, not after
-    # the regeneration: it trains on the data once that is made
+    # a drafter that cannot train fails now, not after the target has answered every prompt
     dcfg = drafter_config_for(target.cfg, cfg.drafter)
     init_from = cfg.drafter.init_from
-    empty = np.zeros((1, cfg.optim.max_len), np.int32)
-    trainer = DrafterTrainer(target, dcfg, cfg.optim, empty, empty.astype(bool), out,
-                             init_from=init_from, grow=cfg.drafter.grow,
-                             retap=cfg.drafter.retap)  # fmt: skip
+    check_drafter(target, dcfg, cfg.optim, init_from, cfg.drafter.grow, cfg.drafter.retap)
     t0 = time.perf_counter()
     regenerate(
         target,
@@ -201,7 +197,8 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     if not mask.any():
         raise ValueError(f"no response tokens to train on in {cfg.cache_dir}: every response "
                          f"is empty or cut off by optim.max_len {cfg.optim.max_len}")  # fmt: skip
-    trainer.set_data(tokens, mask, start=0)  # epochs count from step 0, resumed or not
+    trainer = DrafterTrainer(target, dcfg, cfg.optim, tokens, mask, out, init_from=init_from,
+                             grow=cfg.drafter.grow, retap=cfg.drafter.retap)  # fmt: skip
     eval_prompts = chat_prompts(
         tok, evals["sharegpt"][: cfg.eval.num_prompts], cfg.data.max_prompt_tokens
     )

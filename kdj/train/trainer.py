@@ -275,6 +275,29 @@ def _train_step(params, opt_state, tstate, batch, *, optim: tuple, dgraph, tgrap
     return params, opt_state, metrics
 
 
+def check_fit(target_cfg, drafter_cfg: DrafterConfig, optim: OptimConfig) -> None:
+    """The drafter fits the target, and the optim section fits the drafter."""
+    try:
+        check_pair_configs(target_cfg, drafter_cfg)
+    except ValueError as e:
+        raise ValueError(f"the drafter section does not fit the target: {e}") from None
+    if optim.selector_weight is not None and drafter_cfg.dflash2 is None:
+        raise ValueError(f"optim.selector_weight {optim.selector_weight} is set, but this "
+                         "drafter is a DFlash drafter (no drafter.dflash2 section): it has "
+                         "no selector to train")  # fmt: skip
+
+
+def check_drafter(target, drafter_cfg: DrafterConfig, optim: OptimConfig, init_from=None,
+                  grow: bool = False, retap: bool = False) -> None:  # fmt: skip
+    """What a DrafterTrainer of these arguments would refuse, found without keeping a weight
+    (a run checks it before the target answers its prompts): check_fit, the drafter's
+    shapes (built abstractly) and init_from's checkpoint against them."""
+    check_fit(target.cfg, drafter_cfg, optim)
+    nnx.eval_shape(lambda: build_drafter(drafter_cfg, jnp.float32, seed=optim.seed))
+    if init_from is not None:
+        load_init_params(init_from, drafter_cfg, grow=grow, retap=retap)
+
+
 class DrafterTrainer:
     """Trains a DFlash (or DFlash2) drafter against a frozen kdj target on cached
     (tokens, loss_mask).
@@ -300,14 +323,7 @@ class DrafterTrainer:
         grow: bool = False,
         retap: bool = False,
     ):
-        try:  # the target and the drafter fit, said before a weight is made
-            check_pair_configs(target.cfg, drafter_cfg)
-        except ValueError as e:
-            raise ValueError(f"the drafter section: {e}") from None
-        if optim.selector_weight is not None and drafter_cfg.dflash2 is None:
-            raise ValueError(f"optim.selector_weight {optim.selector_weight} is set, but this "
-                             "drafter is a DFlash drafter (no drafter.dflash2 section): it has "
-                             "no selector to train")  # fmt: skip
+        check_fit(target.cfg, drafter_cfg, optim)
         self.target, self.optim, self.cfg = target, optim, drafter_cfg
         self.tokens, self.loss_mask = np.asarray(tokens, np.int32), np.asarray(loss_mask, bool)
         self.out_dir = Path(out_dir) if out_dir is not None else None
@@ -352,12 +368,11 @@ class DrafterTrainer:
         return tokens, mask, anchors, ok
 
     # ------------------------------------------------------------------ steps
-    def set_data(self, tokens, loss_mask, start: int | None = None) -> None:
-        """Train on new sequences from step `start` on (default: the current step; online
-        distillation): batches then walk a fresh permutation of these rows, each row once
-        per pass, its epochs counted from `start`."""
+    def set_data(self, tokens, loss_mask) -> None:
+        """Train on new sequences from the current step on (online distillation): batches
+        then walk a fresh permutation of these rows, each row once per pass."""
         self.tokens, self.loss_mask = np.asarray(tokens, np.int32), np.asarray(loss_mask, bool)
-        self.data_start = self.step if start is None else start
+        self.data_start = self.step
 
     def train_step(self) -> dict:
         """One optimiser step. The metrics stay on the device (scalars): reading them is a
