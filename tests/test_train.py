@@ -1009,6 +1009,19 @@ def test_run_training_passes_the_data_options(target, tmp_path, monkeypatch):
     assert seen["temperature"] == 0.5 and len(seen["prompts"]) == sum(1 + i % 3 for i in range(30))
 
 
+def unregenerated_cfg(target, tmp_path, monkeypatch):
+    """A training config on the tiny target and six conversations, where regenerating the
+    data fails the test: what is refused must be refused before it."""
+    import kdj.train.data as data
+
+    monkeypatch.setattr(kdj, "load_target", lambda *a, **k: dataclasses.replace(
+        target, tokenizer=RoleTokenizer()))  # fmt: skip
+    monkeypatch.setattr(data, "regenerate", lambda *a, **k: pytest.fail("regenerated"))
+    path = tmp_path / "sharegpt.json"
+    write_multiturn_sharegpt(path, 6)
+    return data_cfg(tmp_path, path)
+
+
 @pytest.mark.parametrize("change, said", [
     ({"target_layer_ids": [99]}, "target_layer_ids [99] reach outside the target's 3 layers"),
     ({"mask_token_id": 999}, "mask_token_id 999 outside the target vocabulary"),
@@ -1020,15 +1033,9 @@ def test_a_drafter_that_cannot_train_is_refused_before_the_data_is_made(
 ):
     """Everything the drafter section says is checked against the target before the target
     answers a prompt (hours on a GPU): regeneration never starts."""
-    import kdj.train.data as data
     from kdj.train.loop import run_training
 
-    monkeypatch.setattr(kdj, "load_target", lambda *a, **k: dataclasses.replace(
-        target, tokenizer=RoleTokenizer()))  # fmt: skip
-    monkeypatch.setattr(data, "regenerate", lambda *a, **k: pytest.fail("regenerated"))
-    path = tmp_path / "sharegpt.json"
-    write_multiturn_sharegpt(path, 6)
-    cfg = data_cfg(tmp_path, path)
+    cfg = unregenerated_cfg(target, tmp_path, monkeypatch)
     cfg.drafter = dataclasses.replace(cfg.drafter, **change)
     with pytest.raises(ValueError, match=re.escape(said)):
         run_training(cfg, log=lambda *_: None)
@@ -1041,12 +1048,7 @@ def test_no_room_for_a_response_is_refused(target, tmp_path, monkeypatch):
     import kdj.train.data as data
     from kdj.train.loop import run_training
 
-    monkeypatch.setattr(kdj, "load_target", lambda *a, **k: dataclasses.replace(
-        target, tokenizer=RoleTokenizer()))  # fmt: skip
-    monkeypatch.setattr(data, "regenerate", lambda *a, **k: pytest.fail("regenerated"))
-    path = tmp_path / "sharegpt.json"
-    write_multiturn_sharegpt(path, 6)
-    cfg = data_cfg(tmp_path, path)
+    cfg = unregenerated_cfg(target, tmp_path, monkeypatch)
     cfg.optim = OptimConfig(max_len=6, anchors_per_seq=2)  # every "u:qN.M|a:" prompt is 9+
     with pytest.raises(ValueError, match="optim.max_len 6 leaves no response token to train"):
         run_training(cfg, log=lambda *_: None)
