@@ -3,6 +3,7 @@ it can still commit; the reduced draft / verify outputs equal the full ones they
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -279,33 +280,28 @@ def test_tuning_pass_times_the_menu_caches_by_key_and_auto_reads_it(
     assert tune.resolve(path, target, drafter, shapes, 3, 16.0) == path  # an override wins
     assert tune.cached(target, drafter, 5) is None  # bucket 8 was never tuned
     assert "tree5" in tune.table(timings)
-    # generate's auto reads the cached cost: the same plan as passing it explicitly
-    prompts = [[3, 1, 4], [5, 9, 2]]
-    kw = dict(drafter=drafter, method="auto", max_new_tokens=12, stop_tokens=[],
-              menu=["none", "chain", "tree5"])  # fmt: skip
-    ar = kdj.generate(target, prompts, method="ar", max_new_tokens=12, stop_tokens=[])
-    cached = kdj.generate(target, prompts, **kw)
-    assert cached.tokens == ar.tokens
-    # an explicit tuning pass inside generate says so on stderr
-    tuned = kdj.generate(target, [[3, 1, 4]] * 5, cost="tune", **kw)
-    assert tuned.tokens == kdj.generate(target, [[3, 1, 4]] * 5, method="ar", max_new_tokens=12,
-                                        stop_tokens=[]).tokens  # fmt: skip
-    assert "tuning asked for at batch 8: tuning auto's step costs now" in capsys.readouterr().err
-    assert tune.cached(target, drafter, 8) is not None
+    # generate's auto reads the cached cost (bucket 4): the same tokens as plain decoding
+    gen = functools.partial(kdj.generate, target, max_new_tokens=12, stop_tokens=[])
+    kw = dict(drafter=drafter, method="auto", menu=["none", "tree5"])
+    prompts = [[3, 1, 4], [5, 9, 2], [2, 7, 1]]
+    assert gen(prompts, **kw).tokens == gen(prompts, method="ar").tokens
     # on the CPU auto's default prices an untuned bucket with the shape estimate, silently;
     # on an accelerator its first use there runs the pass, says so, and later uses read it
-    one = [[3, 1, 4]] * 9  # bucket 16, never tuned
-    assert tune.resolve(None, target, drafter, shapes, 9, 16.0) is None
+    five = [[3, 1, 4]] * 5  # bucket 8, never tuned
+    ar = gen(five, method="ar")
+    assert tune.resolve(None, target, drafter, shapes, 5, 16.0) is None
     assert not tune.tunes_at_first_use()
+    assert gen(five, **kw).tokens == ar.tokens
+    assert tune.cached(target, drafter, 5) is None and not capsys.readouterr().err
     monkeypatch.setattr(tune, "tunes_at_first_use", lambda: True)
-    assert kdj.generate(target, one, cost="estimate", **kw).tokens == kdj.generate(
-        target, one, method="ar", max_new_tokens=12, stop_tokens=[]).tokens  # fmt: skip
-    assert tune.cached(target, drafter, 9) is None and not capsys.readouterr().err
-    first = kdj.generate(target, one, **kw)
-    assert "no tuned step costs for this pair at batch 16" in capsys.readouterr().err
-    assert tune.cached(target, drafter, 9) is not None
-    assert kdj.generate(target, one, **kw).tokens == first.tokens
+    first = gen(five, **kw)
+    assert "no tuned step costs for this pair at batch 8" in capsys.readouterr().err
+    assert tune.cached(target, drafter, 5) is not None and first.tokens == ar.tokens
+    assert gen(five, **kw).tokens == ar.tokens
     assert "tuning" not in capsys.readouterr().err  # cached: no second pass
+    # an explicit tuning pass inside generate runs even where one is cached, and says so
+    assert gen(five, cost="tune", **kw).tokens == ar.tokens
+    assert "tuning asked for at batch 8: tuning auto's step costs now" in capsys.readouterr().err
 
 
 def test_a_pools_ladder_is_tuned_in_one_pass_over_three_widths(
@@ -320,7 +316,7 @@ def test_a_pools_ladder_is_tuned_in_one_pass_over_three_widths(
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(tune, "tunes_at_first_use", lambda: True)
-    shapes = auto.parse_menu("auto", ["none", "chain", "tree5"], 4, None)
+    shapes = auto.parse_menu("auto", ["none", "tree5"], 4, None)
     timed, real = [], tune._verify_job
 
     def spy(t, B, n, c):
@@ -330,7 +326,7 @@ def test_a_pools_ladder_is_tuned_in_one_pass_over_three_widths(
     monkeypatch.setattr(tune, "_verify_job", spy)
     bar = io.StringIO()
     costs = tune.tune_widths(target, drafter, shapes, [1, 2, 4, 8, 16], context=16, progress=bar)
-    assert sorted(set(timed)) == [1, 4, 16] and "30/30" in bar.getvalue()
+    assert sorted(set(timed)) == [1, 4, 16] and "18/18" in bar.getvalue()
     assert len({id(c) for c in costs.values()}) == 1 and set(costs) == {1, 2, 4, 8, 16}
     assert all(tune.cached(target, drafter, w) == costs[1] for w in (1, 2, 4, 8, 16))
     # cached now: resolve_widths reads it, no pass; a width never tuned would run one
@@ -345,7 +341,7 @@ def test_a_pools_ladder_is_tuned_in_one_pass_over_three_widths(
     assert kdj.generate(target, prompts, method="dflash", **kw).tokens == ar.tokens
     assert not timed and "tuning" not in capsys.readouterr().err  # a fixed method: no pass
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "fresh"))
-    out = kdj.generate(target, prompts, method="auto", menu=["none", "chain", "tree5"], **kw)
+    out = kdj.generate(target, prompts, method="auto", menu=["none", "tree5"], **kw)
     assert out.tokens == ar.tokens
     assert "no tuned step costs for this pair at widths" in capsys.readouterr().err
     assert timed  # one pass for the pool's ladder
