@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from kdj.train.config import TrainConfig
 from kdj.train.data import settings_diff
-from kdj.train.trainer import DrafterTrainer, check_drafter, drafter_config_for
+from kdj.train.trainer import DrafterTrainer, check_drafter, check_finite, drafter_config_for
 
 
 def held_out_tau(
@@ -240,6 +240,7 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
             bar.update(1)
             last = trainer.step == o.steps or over_budget()  # log the final partial window
             if trainer.step % o.log_every == 0 or last:
+                check_finite(window, trainer.step, o)
                 avg = {k: float(np.mean([w[k] for w in window])) for k in window[0]}
                 avg.update(step=trainer.step, elapsed_s=time.perf_counter() - t_train)
                 window = []
@@ -253,9 +254,11 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
                 logf.write(json.dumps({"eval": e}) + "\n")
                 log(f"step {trainer.step}: held-out tau {e['tau']:.2f}")
             if o.ckpt_every and trainer.step % o.ckpt_every == 0:
+                check_finite(window, trainer.step, o)  # the steps since the last log
                 trainer.save()
     bar.close()
     train_s = time.perf_counter() - t_train
+    check_finite(window, trainer.step, o)
     trainer.save()
     path = trainer.export(out / "drafter")
     final = evaluate()

@@ -39,7 +39,7 @@ from kdj.train.config import OnlineConfig
 from kdj.train.data import chat_prompt_ids, respond
 from kdj.train.loop import chat_prompts, check_room, held_out_tau, prepare_prompts
 from kdj.train.resume import read_bundle, restore_trainers, write_bundle
-from kdj.train.trainer import DrafterTrainer, drafter_config_for
+from kdj.train.trainer import DrafterTrainer, check_finite, drafter_config_for
 
 MAGPIE_MARK = "\x00kdj-user-turn\x00"  # split point of a rendered template
 
@@ -304,6 +304,7 @@ def run_online(cfg, log=print) -> dict:
             window = [tr.train_step() for _ in range(steps)]
             if not window:  # a compared drafter whose schedule has ended
                 continue
+            check_finite(window, tr.step, tr.optim, "" if name == "main" else name)
             m = {k: float(np.mean([w[k] for w in window])) for k in window[0]}
             if name == "main":
                 metrics = m

@@ -298,6 +298,26 @@ def check_drafter(target, drafter_cfg: DrafterConfig, optim: OptimConfig, init_f
         load_init_params(init_from, drafter_cfg, grow=grow, retap=retap)
 
 
+class Diverged(ValueError):
+    """A run whose loss stopped being finite (a learning rate too high, mostly)."""
+
+
+def check_finite(window: list[dict], step: int, optim: OptimConfig, name: str = "") -> None:
+    """Raise Diverged if a step of `window` (train_step's metrics, the last at `step`) had a
+    non-finite loss: called before anything from those steps is logged, saved or exported,
+    so a diverged run keeps its last good checkpoint."""
+    losses = np.asarray([w["loss"] for w in window], np.float64)
+    bad = np.flatnonzero(~np.isfinite(losses))
+    if bad.size:
+        at = step - len(window) + 1 + int(bad[0])
+        who = f" (drafter {name!r})" if name else ""
+        raise Diverged(
+            f"training diverged at step {at}{who}: its loss is {losses[bad[0]]} (optim.lr "
+            f"{optim.lr}, optim.grad_clip {optim.grad_clip}); nothing after the last "
+            "checkpoint is saved: lower optim.lr and run again (it resumes from there)"
+        )
+
+
 class DrafterTrainer:
     """Trains a DFlash (or DFlash2) drafter against a frozen kdj target on cached
     (tokens, loss_mask).
