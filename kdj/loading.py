@@ -12,7 +12,7 @@ from kdj.checkpoints.dflash import load_calibration, load_drafter_checkpoint, re
 from kdj.checkpoints.gguf import read_gguf, smollm2_gguf_path
 from kdj.checkpoints.hf_safetensors import HFCheckpoint
 from kdj.checkpoints.loader import load_hf, load_params
-from kdj.checkpoints.orbax import is_orbax_dir, restore
+from kdj.checkpoints.orbax import is_orbax_dir, read_config, restore
 from kdj.config import ModelConfig
 from kdj.handles import Drafter, Target, check_pair
 from kdj.sharding.apply import as_sharding, mark_experts
@@ -60,15 +60,18 @@ def drafter_path(source) -> Path:
     return path
 
 
-def check_target(source) -> None:
-    """The target `source` is a checkpoint kdj reads, judged from its files and config alone
-    (ValueError / FileNotFoundError naming the problem), so the CLI refuses it before loading."""
+def check_target(source) -> ModelConfig:
+    """The target `source`'s ModelConfig, read from its files without its weights
+    (ValueError / FileNotFoundError naming the problem), so the CLI refuses a target, or a
+    size it cannot hold, before loading."""
     path = target_path(source)
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{path}: a target file must be .gguf (or pass a checkpoint dir)")
-    elif not is_orbax_dir(path):
-        ModelConfig.from_json(HFCheckpoint(path).config_path)
+        return ModelConfig.from_hf(read_gguf(path)[0])  # the header: tensors are read lazily
+    if is_orbax_dir(path):
+        return read_config(path)[1]
+    return ModelConfig.from_json(HFCheckpoint(path).config_path)
 
 
 def drafter_config(source):

@@ -907,13 +907,3 @@ def test_no_prompt_rows_and_no_checkpoint_name_are_said_plainly(target, drafter)
         for source in (None, 3):
             with pytest.raises(TypeError, match=f"the {what} must be a path or a built-in name"):
                 load(source)
-
-
-def test_tune_refuses_a_context_the_model_cannot_hold():
-    """A cost timed past max_position_embeddings would price contexts no run can have (and a
-    huge one runs out of memory): refused once the target's config is known."""
-    from kdj.cli import main
-
-    with pytest.raises(SystemExit, match=r"kdj tune: --context 9000 exceeds the model's "
-                       r"max_position_embeddings \(8192\)"):  # fmt: skip
-        main(["tune", "--drafter", "smollm2-135m-dflash-b16", "--context", "9000"])

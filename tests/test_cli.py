@@ -261,7 +261,14 @@ def no_loading(monkeypatch):
       "--tree-budget applies to --method ddtree, not dflash"),
      (["tune", "--drafter", ASSET, "--menu", "chain", "bogus"], "bad --menu entry 'bogus'"),
      (["tune", "--drafter", ASSET, "--menu", "chain40"], r"--menu entry 'chain40': .*1..15"),
-     (["train-drafter", "--config", "c.yaml", "--steps", "0"], "--steps: must be >= 1")],
+     (["train-drafter", "--config", "c.yaml", "--steps", "0"], "--steps: must be >= 1"),
+     # sizes the target's positions cannot hold, from its config, not its weights
+     (["generate", "--max-new-tokens", "8192"],
+      r"--max-new-tokens 8192 leaves no position for a prompt: .*max_position_embeddings 8192"),
+     (["serve", "--max-batch", "1", "--context", "9000"],
+      r"--context 9000 exceeds the model's max_position_embeddings \(8192\).*--context 8192"),
+     (["tune", "--drafter", ASSET, "--context", "9000"],
+      r"kdj tune: --context 9000 exceeds the model's max_position_embeddings \(8192\)")],
 )  # fmt: skip
 def test_flags_are_checked_before_any_model_loads(no_loading, argv, msg):
     with pytest.raises(SystemExit, match=msg):
@@ -548,12 +555,6 @@ def test_serve_refuses_a_pool_whose_cache_cannot_fit(monkeypatch):
         r"cache \(90 MiB a slot\), more than the 1.0 GiB free: lower --max-batch",
     ):
         main(["serve", "--max-batch", "64", "--port", port])
-    with pytest.raises(
-        SystemExit,
-        match=r"--context 9000 exceeds the model's "
-        r"max_position_embeddings \(8192\).*--context 8192 or less",
-    ):
-        main(["serve", "--max-batch", "1", "--context", "9000", "--port", port])
 
 
 def test_calibrate_checks_where_it_saves_before_the_runs(no_loading, tmp_path):

@@ -77,7 +77,8 @@ def save_tokenizer(source, tokenizer, folder: Path) -> None:
         tokenizer.save(folder)
 
 
-def restore(path: str | Path, dtype=None, mesh=None, rules=None):
+def read_config(path: str | Path) -> tuple[dict, ModelConfig]:
+    """A convert dir's kdj_config.json: (its fields, the ModelConfig), no weights read."""
     path = Path(path).absolute()
     if not (path / CONFIG_NAME).exists():
         raise ValueError(f"{path} is an incomplete kdj convert dir ({CONFIG_NAME}, written "
@@ -85,11 +86,16 @@ def restore(path: str | Path, dtype=None, mesh=None, rules=None):
                          "convert again")  # fmt: skip
     try:
         meta = json.loads((path / CONFIG_NAME).read_text())
-        cfg = ModelConfig.from_dict(meta["config"])
+        return meta, ModelConfig.from_dict(meta["config"])
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"corrupt {path / CONFIG_NAME}: {e}") from None
     except ValueError as e:  # a model kdj does not run
         raise ValueError(f"{path / CONFIG_NAME}: {e}") from None
+
+
+def restore(path: str | Path, dtype=None, mesh=None, rules=None):
+    path = Path(path).absolute()
+    meta, cfg = read_config(path)
     if not (path / "params").exists():
         raise FileNotFoundError(f"{path} has no params/ checkpoint")
     fmt = meta.get("format", 1)

@@ -52,7 +52,12 @@ def settle(args) -> dict:
     if not run["chat"] and "" in prompts:
         raise ValueError(f"--prompt {prompts.index('')} is empty (with --no-chat nothing is "
                          "added to it): give some text")  # fmt: skip
-    check_sources(run, "--block-size" if args.block_size else f"{args.config}: decode.block_size")
+    block = "--block-size" if args.block_size else f"{args.config}: decode.block_size"
+    most, asked = check_sources(run, block).max_position_embeddings, dec["max_new_tokens"]
+    longest = max(asked) if isinstance(asked, list) else asked
+    if longest >= most:  # a prompt takes a position too; the exact check follows the load
+        raise ValueError(f"max_new_tokens {longest} leaves no position for a prompt: the "
+                         f"model has max_position_embeddings {most}")  # fmt: skip
     return run
 
 

@@ -167,18 +167,20 @@ def check_per_prompt(run: dict, path, prompts: int | None) -> None:
                              f"for {prompts} prompt(s) (--prompt)")  # fmt: skip
 
 
-def check_sources(run: dict, block_size: str = "block_size") -> None:
+def check_sources(run: dict, block_size: str = "block_size"):
     """The run's target and drafter are checkpoints kdj reads (their files and configs, no
     weights), and its block size fits the drafter's, so a mistyped or wrong drafter is not
-    found only after the target has loaded. `block_size`: what to call it in the message."""
+    found only after the target has loaded. `block_size`: what to call it in the message.
+    Returns the target's ModelConfig."""
     from kdj.loading import check_target, drafter_config
 
-    check_target(run["target"])
+    cfg = check_target(run["target"])
     if run["drafter"]:
         most, k = drafter_config(run["drafter"]).block_size, run["decode"]["block_size"]
         if k is not None and k > most:
             raise ValueError(f"{block_size} must be in [2, {most}] for drafter "
                              f"{run['drafter']!r} (got {k})")  # fmt: skip
+    return cfg
 
 
 # The run's fields that only some methods use (kdj.arguments.APPLIES_TO), and the flags

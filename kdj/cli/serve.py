@@ -37,7 +37,11 @@ def check_serve(args, run: dict) -> None:
                          "--deterministic does)")  # fmt: skip
     check_method(run, args.config, {})
     check_per_prompt(run, args.config, None)
-    check_sources(run, f"{args.config}: decode.block_size")
+    positions = check_sources(run, f"{args.config}: decode.block_size").max_position_embeddings
+    if args.context > positions:
+        raise ValueError(f"--context {args.context} exceeds the model's max_position_embeddings "
+                         f"({positions}): positions past it are not ones it was trained "
+                         f"on; give --context {positions} or less")  # fmt: skip
 
 
 def check_address(host: str, port: int) -> None:
@@ -80,18 +84,12 @@ def free_memory() -> int | None:
 
 
 def check_pool_fits(target, max_batch: int, context: int) -> None:
-    """--context is within the model's positions, and the pool's target KV cache alone (a
-    lower bound on what serving holds) fits the memory left once the model loaded:
-    --max-batch 512 was killed by the OS while warming up."""
+    """The pool's target KV cache alone (a lower bound on what serving holds) fits the
+    memory left once the model loaded: --max-batch 512 was killed by the OS while warming
+    up."""
     import jax
 
     from kdj.cache import init_cache
-
-    positions = target.cfg.max_position_embeddings
-    if context > positions:
-        raise ValueError(f"--context {context} exceeds the model's max_position_embeddings "
-                         f"({positions}): positions past it are not ones it was trained "
-                         f"on; give --context {positions} or less")  # fmt: skip
 
     shapes = jax.eval_shape(lambda: init_cache(target.cfg, max_batch, context, target.dtype))
     need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))

@@ -220,14 +220,15 @@ def eval_prompts(path: str, datasets: list[str]) -> dict[str, list[str]]:
     return found
 
 
-def check_sources(target: str, *drafters: str) -> None:
+def check_sources(target: str, *drafters: str):
     """The target and drafters are checkpoints kdj reads (their files and configs, no
-    weights) before the dataset and the target load."""
+    weights) before the dataset and the target load. Returns the target's ModelConfig."""
     from kdj.loading import check_target, drafter_config
 
-    check_target(target)
+    cfg = check_target(target)
     for source in drafters:
         drafter_config(source)
+    return cfg
 
 
 def drafter_labels(specs: list[str]) -> dict[str, str]:
@@ -253,13 +254,12 @@ def cmd_tune(args) -> int:
     from kdj.decode import auto, tune
     from kdj.loading import drafter_config
 
-    check_sources(args.target, args.drafter)
-    shapes = auto.parse_menu("auto", args.menu, drafter_config(args.drafter).block_size, None)
-    target = kdj.load_target(args.target, dtype=dtype_name(args.dtype))
-    most = target.cfg.max_position_embeddings
+    most = check_sources(args.target, args.drafter).max_position_embeddings
     if args.context > most:  # a cost timed there would price contexts no run can have
         raise ValueError(f"--context {args.context} exceeds the model's "
                          f"max_position_embeddings ({most})")  # fmt: skip
+    shapes = auto.parse_menu("auto", args.menu, drafter_config(args.drafter).block_size, None)
+    target = kdj.load_target(args.target, dtype=dtype_name(args.dtype))
     drafter = kdj.load_drafter(args.drafter, target=target)
     for batch in args.batch:
         _, timings, path = tune.tune(target, drafter, shapes, batch, args.context)
