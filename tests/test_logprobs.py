@@ -131,7 +131,10 @@ def test_text_stream_scores_each_token_where_its_text_starts(smol):  # noqa: F81
     from kdj.decode.logprobs import TokenLogprob
     from kdj.serve.text import Served, TextStream
 
-    text = "Héllo wörld! 東京は大きい 🙂🙂 and 12345 spaces   then\nnew lines, done."
+    text = (
+        "Héllo wörld! 東京は大きい 🙂🙂 and 12345 spaces   then\nnew lines, 🌊🐟🌊🐟🐟 "
+        "done."
+    )  # emoji of three byte tokens each: a context may start inside one
     ids = smol.encode(text)
     served = Served("m", smol, (), 64, 0.0, 1.0)
     scores = [TokenLogprob(-0.5 * i, [(t, -1.0), (ids[0], -2.0)]) for i, t in enumerate(ids)]
@@ -212,6 +215,16 @@ def test_server_chat_logprobs_in_openais_shape(chat_target, server):  # noqa: F8
     assert plain.choices[0].logprobs is None
 
 
+def test_a_completion_tokens_own_logprob_stands_among_equal_texts():
+    """Tokens that each begin an unfinished character add "" alike: the token's own value
+    keeps its key in completions' top_logprobs, not an alternative's."""
+    from kdj.serve.app import completion_top
+    from kdj.serve.text import Scored
+
+    got = completion_top(Scored("", 0, -0.77, [("", -1.96), ("x", -2.5), ("", -3.0)]))
+    assert got == {"": -0.77, "x": -2.5}
+
+
 def test_server_completion_logprobs_in_openais_shape(chat_target, server):  # noqa: F811
     """Completions' legacy logprobs, whole and streamed: tokens, token_logprobs,
     top_logprobs (the k alternatives and the token itself) and text offsets; at a stop
@@ -226,7 +239,7 @@ def test_server_completion_logprobs_in_openais_shape(chat_target, server):  # no
     assert lp.token_logprobs == pytest.approx([x.logprob for x in want])
     for top, token, x in zip(lp.top_logprobs, lp.tokens, want, strict=True):
         alternatives = {chat_target.tokenizer.decode([i]): v for i, v in x.top}
-        assert top == pytest.approx({**alternatives, token: top[token]})
+        assert top == pytest.approx({**alternatives, token: x.logprob})
     pieces = [c.choices[0].logprobs for c in client.completions.create(**ask, stream=True)]
     streamed = [(t, v, o) for p in pieces if p for t, v, o in
                 zip(p.tokens, p.token_logprobs, p.text_offset)]  # fmt: skip

@@ -481,28 +481,53 @@ def test_server_many_clients_mixed_lengths(chat_target, server):
     assert len({g["id"] for g in got}) == 24
 
 
-def stream_text(url, path, body):
-    pieces, last = [], None
+def stream_chunks(url, path, body) -> list[dict]:
     with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=60) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                last = json.loads(line[6:])
-                choice = last["choices"][0]
-                pieces.append(choice["text"] if "text" in choice else choice["delta"]["content"])
-    return "".join(pieces), last
+        lines = [x for x in r.iter_lines() if x.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(x[6:]) for x in lines[:-1]]
+
+
+def stream_text(url, path, body):
+    """The streamed text of choice 0, and the last chunk."""
+    chunks = stream_chunks(url, path, body)
+    pieces = [c["text"] if "text" in c else c["delta"]["content"]
+              for chunk in chunks for c in chunk["choices"]]  # fmt: skip
+    return "".join(pieces), chunks[-1]
 
 
 def test_streaming_and_chat_yield_the_same_text(server):
     body = {"prompt": "hello there", "max_tokens": 12}
     whole = httpx.post(server + "/v1/completions", json=body, timeout=60).json()
-    text, last = stream_text(server, "/v1/completions", body)
+    text, last = stream_text(server, "/v1/completions",
+                             {**body, "stream_options": {"include_usage": True}})  # fmt: skip
     assert text == whole["choices"][0]["text"] and last["usage"] == whole["usage"]
+    assert last["choices"] == []  # as OpenAI: the usage comes in a chunk of its own
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
     whole = httpx.post(server + "/v1/chat/completions", json=chat, timeout=60).json()
     text, _ = stream_text(server, "/v1/chat/completions", chat)
     assert text == whole["choices"][0]["message"]["content"]
     assert whole["usage"]["prompt_tokens"] == 3 + len("user\nhi\nassistant\n")  # 3 specials
+
+
+def test_stream_usage_as_each_stream_option_asks(server):
+    """No options: no usage in a stream. include_usage: a null usage on every chunk, then
+    the whole usage in a last chunk of no choices. continuous_usage_stats: the usage so far
+    on every chunk, each choice's finishing one included."""
+    body = {"prompt": ["hello there", "a b c"], "max_tokens": 6}
+    whole = httpx.post(server + "/v1/completions", json=body, timeout=60).json()["usage"]
+    plain = stream_chunks(server, "/v1/completions", body)
+    assert all("usage" not in c for c in plain)
+    last = stream_chunks(server, "/v1/completions",
+                         {**body, "stream_options": {"include_usage": True}})  # fmt: skip
+    assert [c["usage"] for c in last[:-1]] == [None] * (len(last) - 1)
+    assert last[-1]["choices"] == [] and last[-1]["usage"] == whole
+    assert sum(c["choices"][0]["finish_reason"] is not None for c in last[:-1]) == 2
+    every = stream_chunks(server, "/v1/completions",
+                          {**body, "stream_options": {"continuous_usage_stats": True}})  # fmt: skip
+    counts = [c["usage"]["completion_tokens"] for c in every]
+    assert counts == sorted(counts) and counts[-1] == whole["completion_tokens"]
 
 
 def test_bad_requests_get_400_while_others_run(chat_target, server):
@@ -527,7 +552,10 @@ def test_bad_requests_get_400_while_others_run(chat_target, server):
     for reason, word in zip(reasons, ["JSON", "unknown model", "context", "max_tokens", "top_p"]):
         assert word in reason
     assert httpx.get(server + "/health").json()["status"] == "ok"
-    assert httpx.get(server + "/v1/models").json()["data"][0]["id"] == "tiny"
+    (model,) = httpx.get(server + "/v1/models").json()["data"]
+    assert model["id"] == "tiny" and httpx.get(server + "/v1/models/tiny").json() == model
+    gone = httpx.get(server + "/v1/models/other")
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
 
 
 def drained(url) -> dict:
@@ -811,6 +839,20 @@ def test_n_and_max_completion_tokens(server):
     refused(legacy, "max_completion_tokens", "unrecognized field")
     huge = httpx.post(server + CHATS, json={**chat, "max_tokens": 10**6}, timeout=60)
     refused(huge, "max_tokens", "'max_tokens' must be in [1, ")
+
+
+def test_a_default_max_tokens_shrinks_to_the_room_a_prompt_leaves(server):
+    """Without max_tokens a long prompt gets the room left in its slot (64 tokens here, the
+    default 8); an explicit max_tokens past it, or a prompt that fills the slot, is a 400
+    naming the field and the context."""
+    long, asked, full = post_many(server, [
+        (TEXTS, {"prompt": [7] * 60}), (TEXTS, {"prompt": [7] * 60, "max_tokens": 5}),
+        (TEXTS, {"prompt": [7] * 64})])  # fmt: skip
+    assert long.status_code == 200, long.text
+    assert 1 <= long.json()["usage"]["completion_tokens"] <= 4
+    refused(asked, "max_tokens", "the prompt (60 tokens) + max_tokens (5) exceed the context of "
+                                 "64 tokens: ask for 4 or fewer")  # fmt: skip
+    refused(full, "prompt", "the prompt (64 tokens) leaves no room for a reply")
 
 
 def test_fields_kdj_does_not_honour_are_refused(server):

@@ -213,6 +213,14 @@ def test_sampling_is_lossless_and_the_test_catches_a_wrong_bonus(tiny, monkeypat
     assert not chi_square_p_ok(bad, probs)
 
 
+def test_a_top_p_below_float32s_smallest_normal_keeps_the_top_token():
+    """top_p in (0, 1] may be a denormal (or round to one): flushed to 0 on the device, it
+    must still keep the top token, not every token."""
+    logits = jnp.array([[0.0, 2.0, 1.0, -1.0]])
+    for top_p in (1e-30, 1e-40, 1e-45, 5e-324):
+        assert target_probs(logits, 1.0, jnp.float32(top_p)).tolist() == [[0, 1, 0, 0]], top_p
+
+
 def test_sampling_is_seeded(tiny):
     target, drafter = tiny
     kw = dict(drafter=drafter, method="dflash", max_new_tokens=12, temperature=1.0,

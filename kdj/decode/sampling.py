@@ -44,9 +44,10 @@ def target_probs(logits, temperature, top_p):
     def nucleus(probs):
         sorted_p = jnp.sort(probs, axis=-1)[..., ::-1]
         # Keep the smallest prefix of the sorted distribution whose mass reaches top_p: token
-        # k is kept when the mass strictly before it is < top_p (the top token always is).
+        # k is kept when the mass strictly before it is < top_p; the top token always is,
+        # also where a top_p below float32's smallest normal has been flushed to 0.
         before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
-        n_keep = jnp.sum(before < top_p, axis=-1, keepdims=True)
+        n_keep = jnp.maximum(jnp.sum(before < top_p, axis=-1, keepdims=True), 1)
         threshold = jnp.take_along_axis(sorted_p, n_keep - 1, axis=-1)
         kept = jnp.where(probs >= threshold, probs, 0.0)
         return kept / kept.sum(-1, keepdims=True)

@@ -140,10 +140,19 @@ def build_app(worker: Worker, served: Served) -> FastAPI:
                 "chunk_steps": engine.chunk_steps.run, "step_ms": engine.chunk_steps.step_ms(),
                 "pricing": pricing, "measured": engine.measured()}  # fmt: skip
 
+    model = {"id": served.model, "object": "model", "created": int(time.time()),
+             "owned_by": "kdj"}  # fmt: skip
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served.model, "object": "model",
-                                            "owned_by": "kdj"}]}  # fmt: skip
+        return {"object": "list", "data": [model]}
+
+    @app.get("/v1/models/{name:path}")  # a model id may hold slashes (a checkpoint's path)
+    async def one_model(name: str):
+        if name != served.model:
+            return error(404, f"unknown model {name!r}; this server serves {served.model!r}",
+                         param="model", code="model_not_found")  # fmt: skip
+        return model
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -210,11 +219,12 @@ def build_app(worker: Worker, served: Served) -> FastAPI:
                 delta = reply.feed(i, item)
                 scored = reply.fresh(i)
                 if delta or scored:
-                    yield sse(reply.chunk(i, delta, None, scored, usage=reply.usage_stream))
+                    yield sse(reply.chunk(i, delta, None, scored))
                 if item.finished or reply.texts[i].stopped:
                     choices.end(i, item.finished)
-                    finish = reply.texts[i].finish_reason  # the last chunk carries usage
-                    yield sse(reply.chunk(i, "", finish, usage=not choices.running))
+                    yield sse(reply.chunk(i, "", reply.texts[i].finish_reason))
+            if reply.usage_last:
+                yield sse(reply.usage_chunk())
             yield "data: [DONE]\n\n"
         finally:  # disconnected, or failed: free the slots
             choices.close()
@@ -279,7 +289,7 @@ class Reply:
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self.steps = [0] * len(parsed.requests)  # the engine's steps per choice so far
-        self.usage_stream = parsed.usage_stream
+        self.usage_stream, self.usage_last = parsed.usage_stream, parsed.usage_last
         self.logprobs = parsed.requests[0].logprobs is not None
         self.shown = [0] * len(parsed.requests)  # each choice's scored tokens streamed so far
         self.roled: set[int] = set()  # the choices whose stream has said its role (the first)
@@ -336,14 +346,25 @@ class Reply:
                 "model": self.served.model, "choices": choices,
                 "usage": self.usage()}  # fmt: skip
 
-    def chunk(self, i: int, text: str, finish, scored: list[Scored] | None = None,
-              usage: bool = False) -> dict:  # fmt: skip
-        obj = {"id": self.id, "created": self.created, "model": self.served.model,
-               "object": "chat.completion.chunk" if self.chat else "text_completion",
-               "choices": [self._choice(i, text, finish, True, scored)]}  # fmt: skip
-        if usage:
+    def chunk(self, i: int, text: str, finish, scored: list[Scored] | None = None) -> dict:
+        """A streamed chunk of choice i: with the usage so far where the request asked for it
+        on every chunk (continuous_usage_stats), else a null one where it asked for a last
+        usage chunk (include_usage), as OpenAI's chunks have."""
+        obj = self._chunk([self._choice(i, text, finish, True, scored)])
+        if self.usage_stream:
             obj["usage"] = self.usage()
+        elif self.usage_last:
+            obj["usage"] = None
         return obj
+
+    def usage_chunk(self) -> dict:
+        """A stream's last chunk with include_usage: the whole usage, no choices."""
+        return {**self._chunk([]), "usage": self.usage()}
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        return {"id": self.id, "created": self.created, "model": self.served.model,
+                "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "choices": choices}  # fmt: skip
 
 
 def not_json(name: str):
@@ -361,10 +382,12 @@ def chat_logprob(s: Scored) -> dict:
 
 
 def completion_top(s: Scored) -> dict:
-    """A token of completions' top_logprobs: {text: log-probability} of its alternatives and
-    of the token itself (OpenAI's up to k + 1 entries)."""
-    top = dict(s.top)
-    top.setdefault(s.text, s.logprob)
+    """A token of completions' top_logprobs: {text: log-probability} of the token itself and
+    of its alternatives (OpenAI's up to k + 1 entries). Texts can be equal (tokens that each
+    begin an unfinished character add ""): the token's own entry stands, then the likelier."""
+    top = {s.text: s.logprob}
+    for text, value in s.top:
+        top.setdefault(text, value)
     return top
 
 
@@ -422,5 +445,5 @@ def make_app(target, name: str, *, drafter=None, method: str = "ar", block_size=
             engine.warm(warm, progress=tick)
     max_n = min(MAX_N, max_batch + max_queue)  # more choices than that never run at once
     served = Served(name, tok, stop_ids, cap, temperature, top_p, engine.method, max_n,
-                    context - 1)  # fmt: skip
+                    context)  # fmt: skip
     return build_app(Worker(engine, max_queue), served)

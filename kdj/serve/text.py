@@ -18,8 +18,9 @@ FIELDS = ("model", "max_tokens", "temperature", "top_p", "stream", "stop", "seed
 CHAT_FIELDS = FIELDS + ("messages", "max_completion_tokens")
 COMPLETION_FIELDS = FIELDS + ("prompt",)
 # Accepted and ignored: the caller's own labels and parallel_tool_calls (moot: tools are
-# refused). stream_options is read: usage always rides on the last chunk, and on every chunk
-# with continuous_usage_stats (as vLLM names it: a client counts the tokens of each event).
+# refused). stream_options is read: include_usage adds a last chunk of the usage (as OpenAI),
+# continuous_usage_stats puts the usage so far on every chunk (as vLLM: a client counts the
+# tokens of each event).
 IGNORED = ("user", "metadata", "stream_options", "parallel_tool_calls")
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 # OpenAI fields kdj takes only at the value that leaves decoding as it is (null always does).
@@ -54,7 +55,7 @@ class Served:
     top_p: float
     method: str = "ar"  # what the engine runs: ar, dflash, ddtree or auto (usage reports it)
     max_n: int = MAX_N  # the most choices one request may ask for
-    most_tokens: int | None = None  # the most tokens a request may ask for (the context's)
+    context: int | None = None  # tokens a slot holds: the prompt and the reply
 
 
 class Parsed(NamedTuple):
@@ -63,6 +64,7 @@ class Parsed(NamedTuple):
     stops: tuple[str, ...]  # stop strings: the text is cut before the first
     usage_stream: bool = False  # every streamed chunk carries the usage so far
     prompt_tokens: int = 0  # over the request's prompts (each counted once, whatever n)
+    usage_last: bool = False  # a stream ends with a chunk of the whole usage, no choices
 
 
 def _number(body, name, default, lo, hi, lo_open=False) -> float:
@@ -162,15 +164,31 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def _max_tokens(body: dict, served: Served) -> int:
-    """max_completion_tokens (chat) supersedes the older max_tokens; both must then agree."""
+def _max_tokens(body: dict, served: Served, prompt: int, field: str) -> int:
+    """max_completion_tokens (chat) supersedes the older max_tokens; both must then agree.
+    Asked for, the prompt (the longest, `prompt` tokens) and the reply must fit a slot; not
+    asked for, the server's default shrinks to the room the prompt leaves (as OpenAI's
+    does), and only a prompt that leaves none is refused (`field`: the prompt's)."""
     new, old = body.get("max_completion_tokens"), body.get("max_tokens")
     if new is not None and old is not None and new != old:
         raise Invalid(f"'max_completion_tokens' ({new!r}) and 'max_tokens' ({old!r}) differ; "
                       "send one ('max_tokens' is its older name)",
                       "max_completion_tokens")  # fmt: skip
+    context = served.context
+    room = None if context is None else context - prompt
+    if new is None and old is None:
+        if room is not None and room < 1:
+            raise Invalid(f"the prompt ({prompt} tokens) leaves no room for a reply in the "
+                          f"context of {context} tokens", field,
+                          "context_length_exceeded")  # fmt: skip
+        return served.max_tokens if room is None else min(served.max_tokens, room)
     name = "max_completion_tokens" if new is not None else "max_tokens"
-    return _integer(body, name, served.max_tokens, 1, served.most_tokens)
+    asked = _integer(body, name, served.max_tokens, 1, None if context is None else context - 1)
+    if room is not None and asked > room:
+        raise Invalid(f"the prompt ({prompt} tokens) + {name} ({asked}) exceed the context of "
+                      f"{context} tokens: ask for {max(room, 0)} or fewer, or shorten the "
+                      "prompt", name, "context_length_exceeded")  # fmt: skip
+    return asked
 
 
 def _seeds(seed: int | None, n: int) -> list[int | None]:
@@ -222,13 +240,13 @@ def parse(body: Any, served: Served, chat: bool) -> Parsed:
     if len(prompts) * n > served.max_n:
         raise Invalid(f"{len(prompts)} prompts x n={n} make {len(prompts) * n} choices; this "
                       f"server takes at most {served.max_n} a request", "prompt")  # fmt: skip
-    max_new = _max_tokens(body, served)
+    max_new = _max_tokens(body, served, max(map(len, prompts)), "messages" if chat else "prompt")
     temperature = _number(body, "temperature", served.temperature, 0.0, 100.0)
     top_p = _number(body, "top_p", served.top_p, 0.0, 1.0, lo_open=True)
     requests = tuple(Request(list(tokens), max_new, list(served.stop_ids), temperature, top_p, s,
                              logprobs) for tokens in prompts for s in _seeds(seed, n))  # fmt: skip
     return Parsed(requests, stream, tuple(stop), options.get("continuous_usage_stats", False),
-                  sum(map(len, prompts)))  # fmt: skip
+                  sum(map(len, prompts)), options.get("include_usage", False))  # fmt: skip
 
 
 def _prompts(prompt: Any, tok) -> list[list[int]]:
@@ -287,6 +305,7 @@ class TextStream:
         self.scored: list[Scored] = []  # the tokens whose text is out
         self._held: list[Scored] = []  # and those whose text is not yet
         self._end = 0  # where the next scored token's text starts
+        self._starts = [0]  # ids positions where a character starts: a scored context's start
         self.kept: int | None = None  # tokens up to the end of the stop string that cut it
 
     def _decoded(self) -> str:
@@ -306,7 +325,14 @@ class TextStream:
     def _score(self, token: int, logprob: TokenLogprob) -> None:
         """Append `token` to ids, held with its text, offset and alternatives."""
         decode = self.served.tokenizer.decode
-        context = self.ids[max(0, len(self.ids) - self.CONTEXT) :]
+        n = len(self.ids)
+        # the context starts where a character does: mid-character, its first bytes would
+        # decode to U+FFFD in front of the text (and stay there in every token's)
+        start = max(b for b in self._starts if b <= max(0, n - self.CONTEXT))
+        if n - start > 4 * self.CONTEXT:  # bytes that never made a character: let them go
+            start = n - self.CONTEXT
+        self._starts = [b for b in self._starts if b >= start] or [start]
+        context = self.ids[start:]
         head = decode(context).rstrip("\ufffd")  # complete characters only, as `text`
 
         def added(t: int) -> str:  # the complete characters token t adds after the context
@@ -318,6 +344,8 @@ class TextStream:
         self._held.append(Scored(own, self._end, logprob.logprob, top))
         self._end += len(own)
         self.ids.append(token)
+        if not decode(context + [token]).endswith("\ufffd"):  # its last character is whole
+            self._starts.append(n + 1)
 
     def feed(self, tokens: list[int], final: bool,
              logprobs: list[TokenLogprob] | None = None) -> str:  # fmt: skip
