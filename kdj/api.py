@@ -21,7 +21,7 @@ from kdj.cache import init_cache
 from kdj.decode import auto, loop, picks, tune
 from kdj.decode import logprobs as lps
 from kdj.decode.logprobs import TokenLogprob
-from kdj.decode.sampling import request_keys
+from kdj.decode.sampling import request_keys, spread_seeds
 from kdj.decode.state import Plan, Prefilled
 from kdj.decode.stream import bulk_wake, generate_stream
 from kdj.decode.tree import DraftShape
@@ -118,8 +118,10 @@ def generate(
     "cache" (its KV cache filled first).
 
     Sampling draws the token at position p of a sequence with a key from (its seed, p)
-    (kdj/decode/sampling.py): `seed` one int (each row draws its own stream from it; with
-    deterministic=True every prompt uses it as its own seed) or one per prompt. With
+    (kdj/decode/sampling.py): `seed` one per prompt, or one int s: prompt i then draws with
+    seed s + i * 0x9E3779B9 (mod 2**32), so the first prompt's samples are those of `seed=[s]`
+    and of a server request with "seed": s (with deterministic=True every prompt uses s as
+    its own seed). With
     deterministic=True (kernel policy `as_deterministic`) the output depends only on the
     target, the prompt, the sampling parameters and the prompt's seed: not on the drafter,
     the method, the batch or the run.
@@ -144,7 +146,7 @@ def generate(
     if max_batch is not None and batch.B > arguments.integer(max_batch, "max_batch", 1):
         return stream(opts, target, drafter, batch, max_batch, temperature, top_p, seed,
                       tokenizer, cost, logprobs)  # fmt: skip
-    seeds, per_prompt = arguments.seeds(seed, batch.B)
+    seeds = prompt_seeds(seed, batch.B, target.cfg.kernels.deterministic)
     seeds += [0] * (batch.tokens.shape[0] - batch.B)  # the padding rows
     opts = cap_trees(opts, batch)
     # ---- plan: which steps the loop composes
@@ -157,7 +159,7 @@ def generate(
     k = None if logprobs is None else min(logprobs, target.cfg.vocab_size)
     plan = dataclasses.replace(plan, logprobs=k)
     # ---- run
-    keys = request_keys(seeds, shared=per_prompt or target.cfg.kernels.deterministic)
+    keys = request_keys(seeds)
     sampling = (keys, jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p))
     res = execute(target, drafter if plan.speculative else None, batch, plan, sampling,
                   opts.calibration, prior)  # fmt: skip
@@ -345,10 +347,12 @@ def execute(target, drafter, batch: Batch, plan: Plan, sampling, calibration, pr
     return Run(out.out, out.n_out, int(out.steps), out.stats, times, out.logprobs)
 
 
-def stream_seeds(seed, B: int) -> dict:
-    """The engine's seeds: one per prompt as given, else the one int for the pool."""
+def prompt_seeds(seed, B: int, deterministic: bool) -> list[int]:
+    """Each prompt's seed: as given per prompt; one int spread over the prompts
+    (sampling.spread_seeds), or in deterministic mode every prompt's own, so that a prompt's
+    samples do not depend on its row."""
     seeds, per_prompt = arguments.seeds(seed, B)
-    return {"seeds": seeds} if per_prompt else {"seed": seeds[0]}
+    return seeds if per_prompt or deterministic else spread_seeds(seeds[0], B)
 
 
 def pool_drafting(opts: Options, target, drafter, max_batch: int, cache_size: int,
@@ -386,7 +390,7 @@ def stream(opts: Options, target, drafter, batch: Batch, max_batch, temperature,
         batch.max_new[:B], [[int(i) for i in row if i >= 0] for row in batch.stop[:B]],
         cache_size=batch.capacity, temperature=temperature, top_p=top_p,
         wake=wake, admit_rows=wake, logprobs=logprobs,
-        **stream_seeds(seed, B), **drafting,
+        seeds=prompt_seeds(seed, B, target.cfg.kernels.deterministic), **drafting,
     )  # fmt: skip
     toks, texts = res.tokens, None
     if tokenizer is not None:

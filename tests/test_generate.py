@@ -67,6 +67,25 @@ def test_sampling_is_seeded(target):
     assert a != c
 
 
+def test_one_seed_is_spread_over_the_prompts_as_the_server_spreads_it(target):
+    """seed=s for one prompt samples as seed=[s] (and as a server request with "seed": s);
+    over several prompts prompt i draws with spread_seeds(s)[i], equal prompts apart, in a
+    static batch and through the pool alike; deterministic mode gives every prompt s."""
+    from kdj.decode.sampling import spread_seeds
+
+    kw = dict(method="ar", max_new_tokens=16, temperature=1.0, stop_tokens=[])
+    one = kdj.generate(target, [[5, 6, 7]], seed=42, **kw).tokens
+    assert one == kdj.generate(target, [[5, 6, 7]], seed=[42], **kw).tokens
+    prompts = [[5, 6, 7], [8, 9], [5, 6, 7]]
+    spread = kdj.generate(target, prompts, seed=42, **kw).tokens
+    assert spread == kdj.generate(target, prompts, seed=spread_seeds(42, 3), **kw).tokens
+    assert spread[0] == one[0] and spread[2] != spread[0]
+    assert kdj.generate(target, prompts, seed=42, max_batch=2, **kw).tokens == spread
+    same = kdj.generate(target, prompts, seed=42, deterministic=True, **kw).tokens
+    assert same == kdj.generate(target, prompts, seed=[42] * 3, deterministic=True, **kw).tokens
+    assert same[0] == same[2]
+
+
 def test_tiny_top_p_is_greedy(target):
     prompts = [[5, 6, 7], [8, 9, 10, 11]]
     greedy = kdj.generate(target, prompts, method="ar", max_new_tokens=16, stop_tokens=[])
@@ -123,7 +142,7 @@ def test_rollback_by_length(target):
 
     prompt, junk = [3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5]
     clean = kdj.generate(target, [prompt], method="ar", max_new_tokens=8, stop_tokens=[])
-    cfg, key = target.cfg, request_keys([0], shared=True)  # one key per sequence
+    cfg, key = target.cfg, request_keys([0])  # one key per sequence
     cache = init_cache(cfg, 1, 64, target.dtype)
     tokens = jnp.asarray([prompt + junk], jnp.int32)
     args = (key, jnp.float32(1.0), jnp.float32(1.0))

@@ -83,7 +83,7 @@ def test_a_step_near_the_end_keeps_every_node_it_can_still_commit(target):
         probs[d, g[d]] = 0.9
     lp = jnp.log(jnp.asarray(probs / probs.sum(-1, keepdims=True), jnp.float32))[None]
     L = jnp.asarray([len(prompt)], jnp.int32)
-    key, one = request_keys([0], shared=True), jnp.float32(1.0)  # a key per sequence
+    key, one = request_keys([0]), jnp.float32(1.0)  # a key per sequence
     cache = prefill(target.graphdef, target.state, None, None, jnp.asarray([prompt]), L,
                     init_cache(target.cfg, 1, S, jnp.float32), None, key, one, one,
                     greedy=True).tcache  # fmt: skip
@@ -111,9 +111,7 @@ def run_step(target, shape, lp, cache, last, limit, room):
     tree = propose(shape, lp, None, limit, cache.capacity - 1 - cache.lengths)
     verified = verify(target.model, cache, last, tree)
     one = jnp.float32(1.0)
-    acc = accept(
-        tree, verified, limit, request_keys([0], shared=True), one, one, block_size=6, greedy=True
-    )
+    acc = accept(tree, verified, limit, request_keys([0]), one, one, block_size=6, greedy=True)
     return acc.a, tree
 
 
@@ -369,7 +367,7 @@ def test_fixed_methods_do_no_forecast_work_unless_asked(target):
     def vocab_reductions(plan):
         one = jnp.float32(1.0)
         state = init_state(pre, jnp.full((B,), 8), jnp.full((B, 1), -1, jnp.int32),
-                           request_keys([0] * B, shared=True), one, one, one, [0.0], plan,
+                           request_keys([0] * B), one, one, one, [0.0], plan,
                            width)  # fmt: skip
         jaxpr = jax.make_jaxpr(lambda s: drafted_step(target.model, dmodel, s, plan))(state)
 
@@ -421,7 +419,7 @@ def test_a_ddtree_step_runs_no_loop_of_its_own(target):
         compiled = loop.decode.lower(
             target.graphdef, target.state, drafter.graphdef, drafter.state,
             Prefilled(jnp.zeros((B,), jnp.int32), tcache, dcache), jnp.full((B,), 16, jnp.int32),
-            jnp.full((B, 1), -1, jnp.int32), request_keys([0] * B, shared=True), one, one, one,
+            jnp.full((B, 1), -1, jnp.int32), request_keys([0] * B), one, one, one,
             jnp.zeros((1,)), plan=plan,
         ).compile()  # fmt: skip
         assert len(re.findall(r" while\(", compiled.as_text())) == 1, budget

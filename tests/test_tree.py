@@ -170,7 +170,7 @@ def test_tree_verify_and_compaction_equal_plain_decoding_of_the_path(target):
     prompt = jnp.asarray([[3, 1, 4, 1, 5]], jnp.int32)
     L = jnp.asarray([5], jnp.int32)
     last = jnp.asarray([9], jnp.int32)
-    key, one = request_keys([0], shared=True), jnp.float32(1.0)  # a key per sequence
+    key, one = request_keys([0]), jnp.float32(1.0)  # a key per sequence
     cache = prefill(target.graphdef, target.state, None, None, prompt, L,
                     init_cache(target.cfg, 1, S, jnp.float32), None, key, one, one,
                     greedy=True).tcache  # fmt: skip

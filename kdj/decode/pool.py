@@ -61,7 +61,7 @@ def empty(target, drafter, plan: Plan, B: int, S: int, calibration=1.0, prior=No
     pre = Prefilled(zeros(), init_cache(target.cfg, B, S, target.dtype), dcache, record)
     width = 0 if drafter is None else target.cfg.hidden_size * len(drafter.cfg.target_layer_ids)
     state = init_state(pre, zeros(), jnp.full((B, STOP_WIDTH), -1, jnp.int32),
-                       request_keys(np.zeros(B, np.uint32), shared=True),
+                       request_keys(np.zeros(B, np.uint32)),
                        jnp.ones((B,), jnp.float32), 1.0, calibration, prior, plan,
                        width)  # fmt: skip
     return Pool(state, zeros())
@@ -229,7 +229,7 @@ def prefill(tgraph, tstate, dgraph, dstate, pool: Pool, new: Admission, *,
     if drafter is not None:
         ctx = drafter.add_context(features(tapped), start, _rows(state.dcache, new.slots))
         state = dataclasses.replace(state, dcache=_put(state.dcache, ctx, new.slots))
-    keys = request_keys(new.seeds, shared=True)
+    keys = request_keys(new.seeds)
     first = sample(logits[:, 0], position_keys(keys, new.lens), new.temps, new.top_p, plan.greedy)
     joins = new.lens <= new.start + C
     slots = jnp.where(joins, new.slots, B)

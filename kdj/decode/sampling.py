@@ -12,16 +12,21 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+SEED_STRIDE = 0x9E3779B9  # odd: seed + i * stride differs for every i < 2**32
 
-def request_keys(seeds, shared: bool) -> jax.Array:
-    """Per-sequence PRNG keys [B] from `seeds` (one int per sequence). shared=False (one seed
-    for the whole batch, default mode): sequence b draws fold_in(key(seed), b), so equal
-    prompts in a batch sample independently; shared=True: sequence b draws key(seeds[b]),
-    whatever its row (per-prompt seeds, deterministic mode)."""
-    if shared:
-        return jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32))
-    base = jax.random.key(seeds[0])
-    return jax.vmap(lambda b: jax.random.fold_in(base, b))(jnp.arange(len(seeds)))
+
+def spread_seeds(seed: int, n: int) -> list[int]:
+    """One seed for n sequences -> a seed each: sequence i draws with seed + i * SEED_STRIDE
+    (mod 2**32), so equal prompts sample apart, and the first draws with `seed` itself, as
+    one prompt given `seed` alone does (kdj.generate, kdj generate and the server's n choices
+    all spread a seed so)."""
+    return [(seed + i * SEED_STRIDE) % 2**32 for i in range(n)]
+
+
+def request_keys(seeds) -> jax.Array:
+    """Per-sequence PRNG keys [B] from `seeds` (one int per sequence): key(seeds[b]),
+    whatever the row."""
+    return jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32))
 
 
 def position_keys(keys, positions) -> jax.Array:

@@ -337,7 +337,7 @@ def _drafted_job(target, drafter, shape, batch, context) -> _Job:
         pre = Prefilled(jnp.zeros((B,), jnp.int32), tcache, dcache)
         one = jnp.float32(1.0)
         return init_state(pre, jnp.full((B,), steps), jnp.full((B, 1), -1, jnp.int32),
-                          request_keys([0] * B, shared=True), one, one, one, [0.0], plan,
+                          request_keys([0] * B), one, one, one, [0.0], plan,
                           width)  # fmt: skip
 
     step = functools.partial(_drafted_step, target.graphdef, drafter.graphdef, plan)

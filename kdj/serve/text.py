@@ -7,11 +7,11 @@ from typing import Any, NamedTuple
 
 from kdj.decode.logprobs import MAX_TOP, TokenLogprob
 from kdj.decode.requests import Request
+from kdj.decode.sampling import spread_seeds
 from kdj.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_N = 64  # choices per request; a server also caps it at its slots + queue
-SEED_STRIDE = 0x9E3779B9  # odd: choice i's seed (seed + i * stride) differs for every i < 2**32
 
 # The OpenAI fields kdj honours, per endpoint (a body with any other field is refused).
 FIELDS = ("model", "max_tokens", "temperature", "top_p", "stream", "stop", "seed", "n")
@@ -192,11 +192,9 @@ def _max_tokens(body: dict, served: Served, prompt: int, field: str) -> int:
 
 
 def _seeds(seed: int | None, n: int) -> list[int | None]:
-    """A seed per choice, so sampled choices differ: without a request seed the engine
-    derives one from each request's id."""
-    if seed is None:
-        return [None] * n
-    return [(seed + i * SEED_STRIDE) % 2**32 for i in range(n)]
+    """A seed per choice, so sampled choices differ (spread as kdj.generate spreads one seed
+    over its prompts): without a request seed the engine derives one from each request's id."""
+    return [None] * n if seed is None else spread_seeds(seed, n)
 
 
 def parse(body: Any, served: Served, chat: bool) -> Parsed:
