@@ -13,11 +13,14 @@ corrupted at a rate calibrated to each --taus value, so tau is chosen, not earne
    their greedy continuations of --max-new tokens recorded once by plain decoding through
    the pool;
 2. per --taus value, the corruption rate at which DFlash's chain reaches that tau on the first
-   --calibrate-prompts recorded prompts (static batch; kdj.replay.calibrate);
+   --calibrate-prompts recorded prompts (static batch; kdj.replay.calibrate); or the rates of
+   --corrupt, taken as given (no calibration: the rows say the tau each reached);
 3. per client count C and method: the first --waves x C recorded prompts through the slot pool
-   of C slots in this process, timed warm after a pass that compiles: `--drivers engine` the
-   server's Engine (kdj.serve.app.serving_engine) under a closed loop of C clients,
-   `generate` kdj.generate(max_batch=C). AR does not draft: it runs once per C, not per tau.
+   of C slots in this process, timed warm: `--drivers engine` the server's Engine
+   (kdj.serve.app.serving_engine, every program compiled first by Engine.warm, in threads, as
+   `kdj serve` does) under a closed loop of C clients, `generate` kdj.generate(max_batch=C)
+   after a pass that compiles. AR does not draft: it runs once per C, not per tau.
+Each phase says on stderr when it ends, and how long it took.
 
 Per row: new tokens/s over the wall time, tau realised (tokens per step over every request's
 steps), and the share of requests whose tokens equal their recording (below 1: the target's
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -51,6 +55,8 @@ def parser() -> argparse.ArgumentParser:
                    help="keep the random weights as drawn (a bf16 MoE's greedy answers then "
                         "change with the batch, and the replay misses them)")  # fmt: skip
     p.add_argument("--taus", type=float, nargs="+", default=[3.0, 5.0])
+    p.add_argument("--corrupt", type=float, nargs="+", help="rates to run as given, "
+                   "instead of calibrating --taus")  # fmt: skip
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     p.add_argument("--methods", nargs="+", default=["ar", "dflash", "ddtree16", "auto"],
                    help="ar, dflash, ddtreeN (a tree of N nodes), auto")  # fmt: skip
@@ -84,12 +90,16 @@ def prompts_for(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def on_engine(target, drafter, kw: dict, clients: int, prompts, max_new: int, context: int,
-              cost) -> tuple[list[list[int]], int]:  # fmt: skip
+              cost, warm: bool = False) -> tuple[list[list[int]], int]:  # fmt: skip
     """The server's pool under a closed loop of `clients` clients, each sending its next
-    request when its last one ends: (tokens per request, steps over all requests)."""
+    request when its last one ends: (tokens per request, steps over all requests). `warm`:
+    compile every program of the pool and return (nothing run)."""
     engine = serving_engine(target, drafter, kw["method"], kw.get("block_size"),
                             kw.get("tree_budget"), clients, context,
                             cost=cost if kw["method"] == "auto" else None)  # fmt: skip
+    if warm:
+        engine.warm((True,))
+        return [], 0
     todo = list(range(len(prompts)))[::-1]
     got: dict[int, list[int]] = {}
     index: dict[int, int] = {}
@@ -112,8 +122,9 @@ def on_engine(target, drafter, kw: dict, clients: int, prompts, max_new: int, co
 
 
 def on_generate(target, drafter, kw: dict, clients: int, prompts, max_new: int, context: int,
-                cost) -> tuple[list[list[int]], int]:  # fmt: skip
-    """kdj.generate(max_batch=clients): (tokens per request, steps over all requests)."""
+                cost, warm: bool = False) -> tuple[list[list[int]], int]:  # fmt: skip
+    """kdj.generate(max_batch=clients): (tokens per request, steps over all requests); `warm`
+    changes nothing (generate compiles as it goes: the pass itself warms)."""
     extra = {"cost": cost} if kw["method"] == "auto" and cost else {}
     out = kdj.generate(target, prompts, drafter=drafter if kw["method"] != "ar" else None,
                        max_new_tokens=max_new, stop_tokens=[], max_batch=clients,
@@ -125,11 +136,11 @@ DRIVERS = {"engine": on_engine, "generate": on_generate}
 
 
 def measure(driver, target, drafter, kw, clients, rec: replay.Recording, args, context) -> dict:
-    """One cell: a compiling pass, then the timed one."""
+    """One cell: a compiling pass (the engine's warm-up), then the timed one."""
     n = args.waves * clients
     prompts, recorded = rec.prompts[:n], rec.continuations[:n]
     run = DRIVERS[driver]
-    run(target, drafter, kw, clients, prompts, args.max_new, context, args.cost)
+    run(target, drafter, kw, clients, prompts, args.max_new, context, args.cost, warm=True)
     t0 = time.perf_counter()
     tokens, steps = run(target, drafter, kw, clients, prompts, args.max_new, context, args.cost)
     wall = time.perf_counter() - t0
@@ -145,6 +156,7 @@ def main(argv=None):
     if "generate" in args.drivers and args.waves < 2:
         raise SystemExit("--drivers generate needs --waves >= 2 (else no request waits for a slot)")
     methods = {m: method_args(m, args.block_size) for m in args.methods}
+    tables = drafts(args)  # checked before the target is made
     target = harness.random_target(args.model, args.layers, args.dtype, seed=args.seed,
                                    steady=args.steady)  # fmt: skip
     vocab = target.cfg.vocab_size
@@ -152,6 +164,7 @@ def main(argv=None):
     context = -(-(args.prompt_len + args.max_new + args.block_size) // 64) * 64
     t0 = time.perf_counter()
     rec = replay.record(target, prompts, args.max_new, max_batch=max(args.clients))
+    say(f"recorded {len(prompts)} greedy continuations", t0)
     weights = "random, steady greedy (harness.steady_greedy)" if args.steady else "random"
     meta = {"model": args.model, "layers": target.cfg.num_layers, "weights": weights,
             "drafter": "replay (benchmarks only)", "record_s": time.perf_counter() - t0,
@@ -167,21 +180,48 @@ def main(argv=None):
     if "ar" in methods:
         for clients in args.clients:
             for driver in args.drivers:
+                t0 = time.perf_counter()
                 cell = measure(driver, target, None, methods["ar"], clients, rec, args, context)
                 emit({"method": "ar", "tau_requested": None, "corrupt": None, **cell})
-    for tau in args.taus:
-        cal = replay.calibrate(target, rec, tau, block_size=args.block_size,
-                               prompts=args.calibrate_prompts, seed=args.seed)  # fmt: skip
-        result["calibration"].append({"tau_requested": tau, "corrupt": cal.corrupt,
-                                      "tau_dflash": cal.tau})  # fmt: skip
+                say(f"ar at {clients} clients ({driver})", t0)
+    for tau, rate in tables:
+        t0 = time.perf_counter()
+        if rate is None:
+            cal = replay.calibrate(target, rec, tau, block_size=args.block_size,
+                                   prompts=args.calibrate_prompts, seed=args.seed)  # fmt: skip
+            result["calibration"].append({"tau_requested": tau, "corrupt": cal.corrupt,
+                                          "tau_dflash": cal.tau})  # fmt: skip
+            drafter, rate = cal.drafter, cal.corrupt
+            say(f"calibrated tau {tau}: corruption rate {rate:.3f} (DFlash tau {cal.tau:.2f})", t0)
+        else:
+            drafter = replay.replay_drafter(target, rec, rate, args.block_size, args.seed)
         for clients in args.clients:
             for name, kw in methods.items():
                 if name == "ar":
                     continue
                 for driver in args.drivers:
-                    cell = measure(driver, target, cal.drafter, kw, clients, rec, args, context)
-                    emit({"method": name, "tau_requested": tau, "corrupt": cal.corrupt, **cell})
+                    t0 = time.perf_counter()
+                    cell = measure(driver, target, drafter, kw, clients, rec, args, context)
+                    emit({"method": name, "tau_requested": tau, "corrupt": rate, **cell})
+                    say(f"{name} at {clients} clients ({driver})", t0)
     return harness.write_result(Path(args.out), dict(result, meta=dict(meta)), argv)
+
+
+def drafts(args) -> list[tuple[float | None, float | None]]:
+    """(tau asked for, corruption rate) per drafted table: --taus to calibrate, or the
+    --corrupt rates as given."""
+    if args.corrupt is None:
+        return [(tau, None) for tau in args.taus]
+    for rate in args.corrupt:
+        if not 0.0 <= rate <= 1.0:
+            raise SystemExit(f"--corrupt {rate}: a rate must be in [0, 1]")
+    return [(None, rate) for rate in args.corrupt]
+
+
+def say(what: str, since: float) -> None:
+    """A phase's end on stderr, with its seconds: what a timed-out run got through."""
+    print(f"replay_table: {what} in {time.perf_counter() - since:.0f} s", file=sys.stderr,
+          flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -120,6 +120,14 @@ def test_bench_replay_table_runs_on_a_tiny_moe(tmp_path):
     assert rows[0]["tau"] == 1.0 and rows[1]["tau"] > 1.5
     assert result["meta"]["weights"].startswith("random, steady")
     assert all(r["same_as_recording"] == 1.0 for r in rows)
+    # a known rate runs as given, with no calibration: the row says the tau it reached
+    given = tmp_path / "given.json"
+    load_bench("replay_table").main([*argv[:4], "--corrupt", "0.0", *argv[6:-1], str(given)])
+    again = json.loads(given.read_text())
+    assert again["calibration"] == [] and again["rows"][1]["corrupt"] == 0.0
+    assert again["rows"][1]["tau"] >= rows[1]["tau"]  # uncorrupted: at least the calibrated
+    with pytest.raises(SystemExit, match=r"--corrupt 1.5: a rate must be in \[0, 1\]"):
+        load_bench("replay_table").main(["--corrupt", "1.5", "--out", str(tmp_path / "x")])
 
 
 def test_a_steady_random_target_decodes_one_chain_in_bf16(tmp_path):
