@@ -476,6 +476,9 @@ def main(argv=None, prog: str = "roofline"):
         return fit_cost(cfg, rows, args, args.models[0], args.experts[0])
     if len(args.experts) > 2 or len(args.experts) == 2 and args.experts[0] != "bf16":
         p.error("--experts: one format, or bf16 then one quantised format made from its weights")
+    if jax.default_backend() == "cpu":  # it runs anyway (a smoke test), slowly, so it says so
+        print(f"{prog}: a GPU benchmark running on the CPU: a full-size model's steps take "
+              "minutes here (--layers N times a slice)", file=sys.stderr)  # fmt: skip
     args.argv = argv
     return run(args)
 

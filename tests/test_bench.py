@@ -127,7 +127,7 @@ def test_drafter_config_published_shape_and_tiny_targets(tiny):
 
 
 # ------------------------------------------------------------------------------ moe-steps
-def test_roofline_smoke(tmp_path, tiny):
+def test_roofline_smoke(tmp_path, tiny, capsys):
     cfg = tiny["moe"]
     out = tmp_path / "roofline.json"
     args = ["--models", str(cfg), "--experts", "bf16", "int4", "--batches", "1", "2", "4",
@@ -135,6 +135,7 @@ def test_roofline_smoke(tmp_path, tiny):
             "--matmul-size", "64", "--out", str(out),
             "--fit-cost", str(tmp_path / "cost.json")]  # fmt: skip
     assert main(["bench", *args]) == 0
+    assert "kdj bench: a GPU benchmark running on the CPU" in capsys.readouterr().err
     result = json.loads(out.read_text())
     assert_stamped(result, args)
     rows = result["rows"]
