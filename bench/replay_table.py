@@ -136,7 +136,8 @@ DRIVERS = {"engine": on_engine, "generate": on_generate}
 
 
 def measure(driver, target, drafter, kw, clients, rec: replay.Recording, args, context) -> dict:
-    """One cell: a compiling pass (the engine's warm-up), then the timed one."""
+    """One cell: its programs compiled (the engine driver: Engine.warm; generate: a whole
+    pass), then the timed pass."""
     n = args.waves * clients
     prompts, recorded = rec.prompts[:n], rec.continuations[:n]
     run = DRIVERS[driver]
