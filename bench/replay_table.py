@@ -178,13 +178,7 @@ def main(argv=None):
         result["rows"] = rows
         harness.write_result(Path(args.out), dict(result, meta=dict(meta)), argv)
 
-    if "ar" in methods:
-        for clients in args.clients:
-            for driver in args.drivers:
-                t0 = time.perf_counter()
-                cell = measure(driver, target, None, methods["ar"], clients, rec, args, context)
-                emit({"method": "ar", "tau_requested": None, "corrupt": None, **cell})
-                say(f"ar at {clients} clients ({driver})", t0)
+    drafters = []  # (tau asked for, rate, replay drafter), every rate ready before the cells
     for tau, rate in tables:
         t0 = time.perf_counter()
         if rate is None:
@@ -192,19 +186,25 @@ def main(argv=None):
                                    prompts=args.calibrate_prompts, seed=args.seed)  # fmt: skip
             result["calibration"].append({"tau_requested": tau, "corrupt": cal.corrupt,
                                           "tau_dflash": cal.tau})  # fmt: skip
-            drafter, rate = cal.drafter, cal.corrupt
-            say(f"calibrated tau {tau}: corruption rate {rate:.3f} (DFlash tau {cal.tau:.2f})", t0)
+            drafters.append((tau, cal.corrupt, cal.drafter))
+            say(f"calibrated tau {tau}: corruption rate {cal.corrupt:.3f} "
+                f"(DFlash tau {cal.tau:.2f})", t0)  # fmt: skip
         else:
-            drafter = replay.replay_drafter(target, rec, rate, args.block_size, args.seed)
-        for clients in args.clients:
-            for name, kw in methods.items():
-                if name == "ar":
-                    continue
-                for driver in args.drivers:
-                    t0 = time.perf_counter()
-                    cell = measure(driver, target, drafter, kw, clients, rec, args, context)
-                    emit({"method": name, "tau_requested": tau, "corrupt": rate, **cell})
-                    say(f"{name} at {clients} clients ({driver})", t0)
+            drafters.append((tau, rate, replay.replay_drafter(target, rec, rate, args.block_size,
+                                                              args.seed)))  # fmt: skip
+    # a client level at a time, every method and rate in it: a run cut short still holds
+    # whole rows of the table
+    for clients in args.clients:
+        cells = [("ar", None, None, None)] if "ar" in methods else []
+        cells += [(name, tau, rate, drafter) for tau, rate, drafter in drafters
+                  for name in methods if name != "ar"]  # fmt: skip
+        for name, tau, rate, drafter in cells:
+            for driver in args.drivers:
+                t0 = time.perf_counter()
+                cell = measure(driver, target, drafter, methods[name], clients, rec, args,
+                               context)  # fmt: skip
+                emit({"method": name, "tau_requested": tau, "corrupt": rate, **cell})
+                say(f"{name} at {clients} clients ({driver}, corrupt {rate})", t0)
     return harness.write_result(Path(args.out), dict(result, meta=dict(meta)), argv)
 
 
