@@ -59,7 +59,6 @@ class Batch(NamedTuple):
     lens: list[int]
     max_new: list[int]
     stop: np.ndarray  # [B + pad, K] int32, -1 = unused
-    stops: set  # ids left out of texts
     capacity: int  # KV-cache slots per sequence
     B: int
 
@@ -288,12 +287,11 @@ def pack(target, prompts, tokenizer, max_new_tokens, stop_tokens, cache_size) ->
     rows = arguments.stop_rows(stop_tokens, B, sorted(default_stop), target.cfg.vocab_size)
     stop = _stop_matrix(rows)
     stop = np.concatenate([stop, np.full((pad, stop.shape[1]), -1, np.int32)])
-    stops = set(default_stop) if stop_tokens is None else set(stop.ravel().tolist())
     P = _round_up(max(lens), 16)  # bucket prompt lengths so similar batches share a compile
     tokens = np.zeros((B + pad, P), np.int32)
     for i, p in enumerate(ids):
         tokens[i, : len(p)] = p
-    return Batch(tokens, lens, max_new, stop, stops, capacity, B)
+    return Batch(tokens, lens, max_new, stop, capacity, B)
 
 
 class Run(NamedTuple):
@@ -394,10 +392,12 @@ def stream(opts: Options, target, drafter, batch: Batch, max_batch, temperature,
     )  # fmt: skip
     toks, texts = res.tokens, None
     if tokenizer is not None:
-        texts = [reply_text(tokenizer, seq, batch.stops) for seq in toks]
-    new, steps = sum(map(len, toks)), sum(res.steps)
+        texts = [reply_text(tokenizer, seq, batch.stop[b]) for b, seq in enumerate(toks)]
+    new, steps, seconds = sum(map(len, toks)), sum(res.steps), time.perf_counter() - t0
     stats = {"method": opts.method, "batch": B, "max_batch": max_batch, "new_tokens": new,
-             "seconds": time.perf_counter() - t0, "request_steps": res.steps,
+             "seconds": seconds, "request_steps": res.steps,
+             # the whole run's: the pool interleaves compiles, prefills and steps
+             "tokens_per_s": new / seconds,
              # tokens per step of every prompt's steps: the first token came from prefill
              "mean_acceptance": (new - B) / steps if steps else float("nan")}  # fmt: skip
     if opts.method == "auto":  # what the pool's menu kept at its full width, and at each
@@ -407,10 +407,12 @@ def stream(opts: Options, target, drafter, batch: Batch, max_batch, temperature,
     return GenerateOutput(toks, texts, stats, finish_reasons(toks, batch), res.logprobs)
 
 
-def reply_text(tokenizer, tokens, stops) -> str:
-    """The text of a reply's tokens, stop tokens left out, and a last character that no token
-    completed (the reply was cut off inside it) dropped rather than shown as U+FFFD."""
-    return tokenizer.decode([t for t in tokens if t not in stops]).rstrip("\ufffd")
+def reply_text(tokenizer, tokens, stop) -> str:
+    """The text of a reply's tokens without the stop token that ended it (one of its own
+    `stop` ids, always its last token), and a last character that no token completed (the
+    reply was cut off inside it) dropped rather than shown as U+FFFD."""
+    ended = bool(tokens) and tokens[-1] in stop
+    return tokenizer.decode(tokens[:-1] if ended else tokens).rstrip("\ufffd")
 
 
 def finish_reasons(tokens: list[list[int]], batch: Batch) -> list[str]:
@@ -435,7 +437,7 @@ def assemble(opts: Options, shapes, batch: Batch, res: Run, tokenizer,
     toks = [res.out[b, : res.n_out[b]].tolist() for b in range(B)]
     texts = None
     if tokenizer is not None:
-        texts = [reply_text(tokenizer, seq, batch.stops) for seq in toks]
+        texts = [reply_text(tokenizer, seq, batch.stop[b]) for b, seq in enumerate(toks)]
     stats = decode_stats(method, res, B)
     if method != "ar":
         stats.update(speculative_stats(method, res, B, shapes, opts.block_size, opts.forecast))

@@ -305,10 +305,15 @@ def cache_capacity(lens, max_new, cache_size, max_positions: int) -> int:
                 f"prompt {i} has {n} tokens; with max_new_tokens={m} it needs {n + m} cache "
                 f"slots but the cache holds {capacity}"
             )
+    if capacity > max_positions and cache_size is not None:
+        raise ValueError(f"cache_size {capacity} exceeds the model's max_position_embeddings "
+                         f"({max_positions})")  # fmt: skip
     if capacity > max_positions:
+        i = max(range(len(lens)), key=lambda i: lens[i] + max_new[i])
         raise ValueError(
-            f"a cache of {capacity} positions exceeds the model's max_position_embeddings "
-            f"({max_positions}): shorten the prompts or max_new_tokens"
+            f"prompt {i} has {lens[i]} tokens; with max_new_tokens={max_new[i]} it needs "
+            f"{need} positions, more than the model's max_position_embeddings "
+            f"({max_positions}): shorten the prompt or max_new_tokens"
         )
     return capacity
 

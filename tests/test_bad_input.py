@@ -706,10 +706,39 @@ def test_finish_reasons(target, drafter):
     assert spec.finish_reasons == out.finish_reasons and spec.tokens == out.tokens
     pooled = kdj.generate(target, [[1, 2], [3, 4, 5]], method="ar", max_batch=1, **kw)
     assert pooled.finish_reasons == out.finish_reasons
-    row = Batch(None, [100], [8], np.array([[stop, -1]]), set(), 104, 1)
+    assert pooled.stats["tokens_per_s"] == pooled.stats["new_tokens"] / pooled.stats["seconds"]
+    row = Batch(None, [100], [8], np.array([[stop, -1]]), 104, 1)
     assert finish_reasons([[5, 6, 7]], row) == ["cache"]
     assert finish_reasons([[5, 6, 7, 5, 6, 7, 5, 6]], row) == ["length"]
     assert finish_reasons([[5, stop]], row) == ["stop"]
+
+
+def test_positions_past_the_model_name_what_asked_for_them(target):
+    """A cache_size past the model's positions names cache_size; a prompt and budget past
+    them name the prompt, its length and its max_new_tokens."""
+    most = target.cfg.max_position_embeddings
+    with pytest.raises(ValueError, match=rf"cache_size {most + 1} exceeds .*\({most}\)"):
+        kdj.generate(target, [[1, 2]], method="ar", max_new_tokens=2, cache_size=most + 1)
+    with pytest.raises(ValueError, match=rf"prompt 1 has 3 tokens; with max_new_tokens={most} "
+                                         rf"it needs {most + 3} positions"):  # fmt: skip
+        kdj.generate(target, [[1, 2], [1, 2, 3]], method="ar", max_new_tokens=[2, most])
+
+
+def test_each_text_leaves_out_only_its_own_stop_token(target):
+    """Per-prompt stop ids: a prompt's text drops the stop token that ended it, and keeps
+    every token of its own that is another prompt's stop id (static batch and pool)."""
+    tok = target.tokenizer
+    prompts = ["w1 w2 w3", "w1 w2 w3"]
+    free = kdj.generate(target, prompts, method="ar", max_new_tokens=8, stop_tokens=[])
+    seq = free.tokens[1]
+    stop = seq[2]  # row 1 runs on past it: it is not row 1's stop
+    kw = {"max_new_tokens": 8, "stop_tokens": [[stop], []]}
+    for extra in ({}, {"max_batch": 1}):
+        out = kdj.generate(target, prompts, method="ar", **kw, **extra)
+        assert out.tokens[1] == seq and stop in out.tokens[1]
+        assert out.texts[1] == tok.decode(seq)
+        assert out.tokens[0][-1] == stop and out.finish_reasons[0] == "stop"
+        assert out.texts[0] == tok.decode(out.tokens[0][:-1])
 
 
 def test_train_yaml_booleans_are_yaml_booleans():

@@ -296,7 +296,10 @@ def test_flags_are_checked_before_any_model_loads(no_loading, argv, msg):
       r"unknown decode keys \['block_sise'\]; expected \[.*'block_size'.*'tree_budget'\]"),
      ("target: 3\n", "target must be a name or path"),
      ("decode:\n  method: ar\n   max_new_tokens: 3\n", r"line 3, column 18: not valid YAML"),
-     ("decode: [1\n", r"line 2, column 1: not valid YAML")],
+     ("decode: [1\n", r"line 2, column 1: not valid YAML"),
+     # an API check of a value the YAML gave names the YAML's field, not a flag never given
+     ("decode:\n  method: ar\n  max_new_tokens: 9000\n",
+      r"decode.max_new_tokens 9000 leaves no position for a prompt")],
 )  # fmt: skip
 def test_run_yaml_values_are_checked_before_any_model_loads(no_loading, tmp_path, yaml, msg):
     run = tmp_path / "run.yaml"

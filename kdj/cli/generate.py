@@ -52,6 +52,9 @@ def settle(args) -> dict:
     if not run["chat"] and "" in prompts:
         raise ValueError(f"--prompt {prompts.index('')} is empty (with --no-chat nothing is "
                          "added to it): give some text")  # fmt: skip
+    if args.config:  # an API message about a value the YAML gave names its field, not a flag
+        args.flags = {**FLAGS, **{key: f"{args.config}: decode.{key}" for key in FLAGS
+                                  if key in dec and getattr(args, key) is None}}  # fmt: skip
     block = "--block-size" if args.block_size else f"{args.config}: decode.block_size"
     most, asked = check_sources(run, block).max_position_embeddings, dec["max_new_tokens"]
     longest = max(asked) if isinstance(asked, list) else asked
